@@ -1,0 +1,67 @@
+# omlx-cache: a patch series over a pinned mlx-lm, plus the omlx_cache package.
+# Set-up for users:  make apply && make test
+
+PY := .venv/bin/python
+SHARED ?= $(abspath ../shared)
+TEXT ?= $(SHARED)/data/wikitext-2-raw/wiki.test.raw
+MODEL ?= models/SmolLM2-135M-Instruct
+HOST ?= 127.0.0.1
+PORT ?= 8080
+VERSION ?=
+
+.PHONY: vendor apply unapply refresh env test test-upstream test-ours lint models standin serve eval bench upstream-check clean
+
+vendor:
+	scripts/vendor.sh
+
+apply:
+	scripts/patches.sh apply
+	scripts/env.sh
+
+unapply:
+	scripts/patches.sh unapply
+
+refresh:
+	scripts/patches.sh refresh
+
+env:
+	scripts/env.sh
+
+test: standin
+	scripts/test.sh
+
+test-upstream: standin
+	scripts/test.sh upstream
+
+test-ours: standin
+	scripts/test.sh ours
+
+lint:
+	$(PY) -m ruff check omlx_cache scripts tests
+	$(PY) -m ruff format --check omlx_cache scripts tests
+	scripts/lint-patches.sh
+
+models:
+	$(PY) -m omlx_cache.models all --out models
+
+standin:
+	$(PY) -m omlx_cache.standin --out models/hub
+
+serve: $(MODEL)/config.json
+	HF_HUB_CACHE=$(abspath models/hub) $(PY) -m mlx_lm.server --model $(MODEL) --host $(HOST) --port $(PORT)
+
+$(MODEL)/config.json:
+	$(MAKE) models
+
+eval:
+	$(PY) -m omlx_cache.eval --model $(MODEL)-f32 --text $(TEXT) --out docs/eval.json
+
+bench:
+	$(PY) -m omlx_cache.bench --out docs/bench.json
+
+upstream-check:
+	@test -n "$(VERSION)" || { echo "usage: make upstream-check VERSION=x.y.z" >&2; exit 2; }
+	scripts/patches.sh check $(VERSION)
+
+clean:
+	rm -rf vendor/mlx-lm vendor/check vendor/.cache .venv models
