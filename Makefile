@@ -39,7 +39,7 @@ test-ours: standin
 lint:
 	$(PY) -m ruff check omlx_cache scripts tests
 	$(PY) -m ruff format --check omlx_cache scripts tests
-	scripts/lint-patches.sh
+	$(PY) scripts/lint_patches.py
 
 models:
 	$(PY) -m omlx_cache.models all --out models
