@@ -111,3 +111,16 @@ def test_reserved_cache_after_trim():
         queries, keys, values, cache=cache, scale=0.125, mask="causal"
     )
     assert relative_error(out, reference(cache, queries, "causal")) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "page_size,length,tile", [(257, 257, 64), (300, 77, 32), (13, 13, 8), (5, 5, 8)]
+)
+def test_tiles_cover_each_key_once_and_stay_aligned(page_size, length, tile):
+    seen = []
+    for start, new, stop in base._quantized_sdpa_tiles(page_size, length, tile):
+        assert start <= new < stop <= page_size
+        assert (stop - start) % 8 == 0 or stop - start == page_size
+        seen.extend(range(new, stop))
+    assert seen[: min(length, page_size)] == list(range(min(length, page_size)))
+    assert len(set(seen)) == len(seen)
