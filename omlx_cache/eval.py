@@ -1,0 +1,561 @@
+"""KV cache quality: perplexity, KL divergence and top-1 agreement against fp16 KV.
+
+    python -m omlx_cache.eval --model models/SmolLM2-135M-Instruct-f32 \\
+        --kv fp16 --kv 8 --kv 8,4 --kv 4 --out docs/eval-smollm2.json
+
+The text is split into consecutive windows, each BOS and the next C - 1 tokens.
+For every window and scheme a fresh cache is made and the window is fed
+through the model in chunks, so later tokens attend the keys and values as the
+cache stores them, exactly as in generation. Every next token after the first
+is scored. The reference scheme (``fp16``, a plain cache) always runs first;
+the others are compared with it token by token.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx import nn
+from mlx.utils import tree_flatten
+
+from . import __version__
+from . import schemes as kv_schemes
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-f32"
+DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+DEFAULT_SCHEMES = ("fp16", "8", "8,4", "4")
+REFERENCE = "fp16"
+Z95 = 1.959963984540054
+
+
+# ---------------------------------------------------------------------------
+# Text
+
+
+def read_text(path) -> str:
+    """The evaluation text with ``\\r\\n`` line ends normalized to ``\\n``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Evaluation text not found: {path}. Pass --text PATH (the default is "
+            "../shared/data/wikitext-2-raw/wiki.test.raw beside the checkout)."
+        )
+    return path.read_text(encoding="utf-8").replace("\r\n", "\n")
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` without special tokens."""
+    from transformers.utils import logging as hf_logging
+
+    # the whole text is longer than the model's context; we only cut windows
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return tokenizer.encode(text, add_special_tokens=False)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def make_windows(
+    tokens: Sequence[int],
+    num_windows: int,
+    window_tokens: int,
+    bos: int | None = None,
+) -> mx.array:
+    """Consecutive windows of ``window_tokens`` tokens, shape (num_windows,
+    window_tokens): BOS and the next ``window_tokens - 1`` tokens of the text,
+    or ``window_tokens`` tokens of the text when there is no BOS."""
+    if window_tokens < 2:
+        raise ValueError("A window needs at least 2 tokens.")
+    body = window_tokens - (bos is not None)
+    needed = num_windows * body
+    if len(tokens) < needed:
+        raise ValueError(
+            f"The text has {len(tokens)} tokens; {num_windows} windows of "
+            f"{window_tokens} tokens need {needed}."
+        )
+    windows = np.asarray(tokens[:needed], dtype=np.int32).reshape(num_windows, body)
+    if bos is not None:
+        column = np.full((num_windows, 1), bos, dtype=np.int32)
+        windows = np.concatenate([column, windows], axis=1)
+    return mx.array(windows)
+
+
+# ---------------------------------------------------------------------------
+# One window through one cache
+
+
+def window_logprobs(
+    model: nn.Module,
+    tokens: mx.array,
+    cache: list,
+    chunk: int,
+    on_chunk: Callable[[], None] | None = None,
+) -> mx.array:
+    """Float32 log-probabilities of the next token at each position but the
+    last, shape (len(tokens) - 1, vocab), feeding ``tokens`` through ``cache``
+    ``chunk`` tokens at a time."""
+    inputs = tokens[:-1]
+    parts = []
+    for start in range(0, inputs.size, chunk):
+        logits = model(inputs[None, start : start + chunk], cache=cache)[0]
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        mx.eval(logprobs)
+        parts.append(logprobs)
+        if on_chunk is not None:
+            on_chunk()
+    return mx.concatenate(parts, axis=0)
+
+
+def token_stats(logprobs: mx.array, targets: mx.array, reference: mx.array):
+    """Per-token NLL of ``targets``, KL(reference || logprobs) and whether the
+    argmax agrees with the reference's, as numpy arrays."""
+    nll = -mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
+    kld = mx.sum(mx.exp(reference) * (reference - logprobs), axis=-1)
+    top1 = mx.argmax(reference, axis=-1) == mx.argmax(logprobs, axis=-1)
+    mx.eval(nll, kld, top1)
+    return np.array(nll), np.array(kld), np.array(top1)
+
+
+def stored_kv(layer_cache):
+    """The keys and values one layer's cache holds for its tokens, without the
+    rows it allocated ahead."""
+    if hasattr(layer_cache, "keys_and_values"):
+        return layer_cache.keys_and_values()
+    # KVCache's state is sliced to its offset
+    return layer_cache.state[:2]
+
+
+def tree_nbytes(tree) -> int:
+    return sum(x.nbytes for _, x in tree_flatten(tree))
+
+
+def tree_size(tree) -> int:
+    return sum(x.size for _, x in tree_flatten(tree))
+
+
+@dataclass
+class Footprint:
+    """What a cache held at the end of a window, over all layers."""
+
+    tokens: int
+    key_bytes: int
+    value_bytes: int
+    # elements of K and V (meaningful for plain caches only)
+    key_elements: int
+    value_elements: int
+    # bytes allocated, including rows allocated ahead of the offset
+    allocated_bytes: int
+
+
+def cache_footprint(cache: list) -> Footprint:
+    key_bytes = value_bytes = key_elements = value_elements = 0
+    for layer_cache in cache:
+        keys, values = stored_kv(layer_cache)
+        key_bytes += tree_nbytes(keys)
+        value_bytes += tree_nbytes(values)
+        key_elements += tree_size(keys)
+        value_elements += tree_size(values)
+    return Footprint(
+        tokens=cache[0].offset,
+        key_bytes=key_bytes,
+        value_bytes=value_bytes,
+        key_elements=key_elements,
+        value_elements=value_elements,
+        allocated_bytes=sum(c.nbytes for c in cache),
+    )
+
+
+# ---------------------------------------------------------------------------
+# All windows through all schemes
+
+
+@dataclass
+class SchemeRun:
+    scheme: kv_schemes.Scheme
+    nll: list[np.ndarray] = field(default_factory=list)
+    kld: list[np.ndarray] = field(default_factory=list)
+    top1: list[np.ndarray] = field(default_factory=list)
+    seconds: float = 0.0
+    footprint: Footprint | None = None
+
+    def add(self, stats, seconds: float, footprint: Footprint):
+        for values, x in zip((self.nll, self.kld, self.top1), stats):
+            values.append(x)
+        self.seconds += seconds
+        self.footprint = footprint
+
+
+class Progress:
+    """A plain-text progress bar on stderr, redrawn in place with ``\\r``."""
+
+    def __init__(self, total: int, stream=None, width: int = 24):
+        self.total = total
+        self.done = 0
+        self.stream = stream or sys.stderr
+        self.width = width
+        self.start = time.perf_counter()
+        self.label = ""
+        self.last_len = 0
+
+    def step(self):
+        self.done += 1
+        self.draw()
+
+    def draw(self):
+        elapsed = time.perf_counter() - self.start
+        filled = self.width * self.done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.width - filled)
+        eta = elapsed / self.done * (self.total - self.done) if self.done else 0
+        line = (
+            f"[{bar}] {self.done}/{self.total} {self.label}"
+            f"  {format_seconds(elapsed)} elapsed, {format_seconds(eta)} left"
+        )
+        self.stream.write("\r" + line.ljust(self.last_len))
+        self.stream.flush()
+        self.last_len = len(line)
+
+    def close(self):
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def format_seconds(seconds: float) -> str:
+    minutes, seconds = divmod(round(seconds), 60)
+    return f"{minutes}:{seconds:02d}"
+
+
+def evaluate_tokens(
+    model: nn.Module,
+    windows: mx.array,
+    schemes: Sequence[kv_schemes.Scheme],
+    chunk: int = 128,
+    seed: int = 0,
+    progress: Progress | None = None,
+) -> list[dict]:
+    """Score every window under every scheme; ``schemes[0]`` is the reference
+    the others are compared with. Returns one summary dict per scheme."""
+    runs = [SchemeRun(scheme) for scheme in schemes]
+    for w, tokens in enumerate(windows):
+        reference = None
+        for run in runs:
+            if progress is not None:
+                progress.label = f"window {w + 1}, kv {run.scheme.name}"
+            mx.random.seed(seed)
+            cache = run.scheme.make_cache(model)
+            tic = time.perf_counter()
+            on_chunk = progress.step if progress is not None else None
+            logprobs = window_logprobs(model, tokens, cache, chunk, on_chunk)
+            seconds = time.perf_counter() - tic
+            if reference is None:
+                reference = logprobs
+            stats = token_stats(logprobs, tokens[1:], reference)
+            run.add(stats, seconds, cache_footprint(cache))
+            del cache, logprobs
+    return [summarize(run, runs[0]) for run in runs]
+
+
+# ---------------------------------------------------------------------------
+# Statistics
+
+
+def mean_ci(x: np.ndarray):
+    """Mean and its normal 95% interval from the standard error."""
+    x = np.asarray(x, dtype=np.float64)
+    mean = float(x.mean())
+    if x.size < 2:
+        return mean, [mean, mean]
+    half = Z95 * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return mean, [mean - half, mean + half]
+
+
+def wilson_ci(successes: int, n: int):
+    """Wilson 95% interval of a proportion (stays inside [0, 1])."""
+    p = successes / n
+    denom = 1 + Z95**2 / n
+    center = (p + Z95**2 / (2 * n)) / denom
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95**2 / (4 * n * n)) / denom
+    # at p = 0 or 1 one end is p itself; keep rounding from moving it past p
+    return [min(center - half, p), max(center + half, p)]
+
+
+def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
+    nll = np.concatenate(run.nll)
+    diff = nll - np.concatenate(reference.nll)
+    kld = np.concatenate(run.kld)
+    agree = int(np.concatenate(run.top1).sum())
+    n = nll.size
+
+    mean_nll, nll_ci = mean_ci(nll)
+    mean_diff, diff_ci = mean_ci(diff)
+    mean_kld, kld_ci = mean_ci(kld)
+
+    footprint, plain = run.footprint, reference.footprint
+    tokens_held = footprint.tokens
+    return {
+        "kv": run.scheme.name,
+        "reference": run is reference,
+        "group_size": run.scheme.group_size,
+        "ppl": math.exp(mean_nll),
+        "ppl_ci": [math.exp(x) for x in nll_ci],
+        "window_ppl": [math.exp(float(x.mean())) for x in run.nll],
+        "delta_ppl_pct": 100 * math.expm1(mean_diff),
+        "delta_ppl_pct_ci": [100 * math.expm1(x) for x in diff_ci],
+        "kld": mean_kld,
+        "kld_ci": kld_ci,
+        "top1": 100 * agree / n,
+        "top1_ci": [100 * x for x in wilson_ci(agree, n)],
+        "bits_per_element": dict(zip("kv", run.scheme.bits_per_element)),
+        "stored_bits_per_element": {
+            "k": 8 * footprint.key_bytes / plain.key_elements,
+            "v": 8 * footprint.value_bytes / plain.value_elements,
+        },
+        "cache_bytes_per_token": (footprint.key_bytes + footprint.value_bytes)
+        / tokens_held,
+        "cache_tokens": tokens_held,
+        "cache_allocated_bytes": footprint.allocated_bytes,
+        "tokens": n,
+        "seconds": run.seconds,
+    }
+
+
+# ---------------------------------------------------------------------------
+# Report
+
+
+def format_ci(ci, digits: int) -> str:
+    return f"{ci[0]:.{digits}f}–{ci[1]:.{digits}f}"
+
+
+def format_row(r: dict) -> str:
+    bits = r["bits_per_element"]
+    delta = (
+        "ref"
+        if r["reference"]
+        else (f"{r['delta_ppl_pct']:+.2f}% ({format_ci(r['delta_ppl_pct_ci'], 2)})")
+    )
+    cells = [
+        r["kv"],
+        f"{bits['k']:g} / {bits['v']:g}",
+        f"{r['ppl']:.3f} ({format_ci(r['ppl_ci'], 2)})",
+        delta,
+        f"{r['kld']:.4f} ± {(r['kld_ci'][1] - r['kld_ci'][0]) / 2:.4f}",
+        f"{r['top1']:.1f}% ({format_ci(r['top1_ci'], 1)})",
+        f"{r['cache_bytes_per_token']:,.0f}",
+        f"{r['seconds']:.1f}",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+TABLE_HEADER = (
+    "| KV (K,V bits) | bits/elem K / V | PPL (95% CI) | ΔPPL vs fp16 (95% CI) "
+    "| KLD vs fp16 (± 95%) | top-1 = fp16 (95% CI) | stored KV bytes/token | s |\n"
+    "|---|---|---|---|---|---|---|---|"
+)
+
+TABLE_NOTES = (
+    "bits/elem: the codes plus a 16-bit scale and bias per group (b + 32/g), as a "
+    "float16/bfloat16 model stores them. Stored KV bytes/token: K + V over all layers "
+    "for one token as this run holds them, in the model's dtype (a float32 model keeps "
+    "float32 scales, biases and reference K/V); rows allocated ahead are not counted. "
+    "s: seconds of forward passes for the scheme, all windows."
+)
+
+
+def format_table(results: Sequence[dict]) -> str:
+    rows = "\n".join(format_row(r) for r in results)
+    return f"{TABLE_HEADER}\n{rows}\n\n{TABLE_NOTES}"
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return (
+        f"{platform.system()} {platform.machine()}, {cpu}, "
+        f"{os.cpu_count()} CPUs, mlx device {mx.default_device()}"
+    )
+
+
+def source_tree(package) -> str | None:
+    """``<commit> <subject>`` of the git checkout a package is imported from,
+    with ``(modified)`` when it has uncommitted changes; None outside git."""
+    import subprocess
+
+    root = Path(package.__file__).resolve().parents[1]
+
+    def git(*args):
+        command = ["git", "-C", str(root), *args]
+        return subprocess.run(command, check=False, capture_output=True, text=True)
+
+    try:
+        head = git("log", "-1", "--format=%h %s")
+    except OSError:
+        return None
+    if head.returncode != 0:
+        return None
+    dirty = git("status", "--porcelain", "--untracked-files=no", ".").stdout.strip()
+    return head.stdout.strip() + (" (modified)" if dirty else "")
+
+
+def versions() -> dict:
+    import mlx_lm
+
+    return {
+        "mlx": mx.__version__,
+        "mlx_lm": mlx_lm.__version__,
+        "mlx_lm_tree": source_tree(mlx_lm),
+        "omlx_cache": __version__,
+        "python": platform.python_version(),
+    }
+
+
+def sha256_file(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# Command line
+
+
+def resolve_schemes(names: Sequence[str], group_size) -> list[kv_schemes.Scheme]:
+    """The schemes for ``names``, the reference first (added if missing),
+    duplicates dropped."""
+    schemes, seen = [], set()
+    for name in names:
+        scheme = kv_schemes.get_scheme(name, group_size)
+        if scheme.name not in seen:
+            seen.add(scheme.name)
+            schemes.append(scheme)
+    references = [s for s in schemes if s.is_reference]
+    if not references:
+        references = [kv_schemes.get_scheme(REFERENCE, group_size)]
+    rest = [s for s in schemes if s is not references[0]]
+    return [references[0], *rest]
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m omlx_cache.eval",
+        description="KV cache quality: PPL, KLD and top-1 agreement vs fp16 KV.",
+    )
+    parser.add_argument("--model", default=str(DEFAULT_MODEL), help="model directory")
+    parser.add_argument(
+        "--kv",
+        action="append",
+        metavar="SCHEME",
+        help="KV cache scheme, repeatable (default: "
+        f"{' '.join(DEFAULT_SCHEMES)}). {kv_schemes.describe()}",
+    )
+    parser.add_argument(
+        "--kv-group-size",
+        default="64",
+        type=kv_schemes.parse_group_size,
+        help="group size of quantized schemes: N or K,V (default 64)",
+    )
+    parser.add_argument("--text", default=str(DEFAULT_TEXT), help="evaluation text")
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument(
+        "--window-tokens", type=int, default=512, help="tokens per window, BOS included"
+    )
+    parser.add_argument(
+        "--chunk", type=int, default=128, help="tokens fed to the model at a time"
+    )
+    parser.add_argument("--out", help="write the results to this JSON file")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+# Debian's libopenblas0-pthread; the mlx CPU wheel bundles the reference BLAS
+OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
+
+
+def blas_hint() -> str | None:
+    """A hint to preload OpenBLAS when running on the CPU without it: the
+    bundled reference BLAS makes float32 forward passes about 8x slower."""
+    if mx.default_device() != mx.cpu or os.environ.get("LD_PRELOAD"):
+        return None
+    if OPENBLAS.exists():
+        return f"hint: LD_PRELOAD={OPENBLAS} makes the CPU forward ~8x faster"
+    return (
+        "hint: mlx's CPU wheel uses the reference BLAS; with OpenBLAS preloaded "
+        f"(apt-get install libopenblas0-pthread; LD_PRELOAD={OPENBLAS}) "
+        "the CPU forward is ~8x faster"
+    )
+
+
+def load_model(path: str):
+    from mlx_lm import load
+
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"Model directory not found: {path} "
+            "(build it with: python -m omlx_cache.models smollm2 --out models)."
+        )
+    return load(path)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    schemes = resolve_schemes(args.kv or DEFAULT_SCHEMES, args.kv_group_size)
+    text = read_text(args.text)
+    model, tokenizer = load_model(args.model)
+    tokens = encode(tokenizer, text)
+    windows = make_windows(
+        tokens, args.windows, args.window_tokens, tokenizer.bos_token_id
+    )
+
+    if hint := blas_hint():
+        print(hint, file=sys.stderr)
+    chunks = math.ceil((args.window_tokens - 1) / args.chunk)
+    progress = Progress(args.windows * len(schemes) * chunks)
+    tic = time.perf_counter()
+    results = evaluate_tokens(model, windows, schemes, args.chunk, args.seed, progress)
+    progress.close()
+    wall = time.perf_counter() - tic
+
+    report = {
+        "model": args.model,
+        "text": args.text,
+        "text_sha256": sha256_file(args.text),
+        "windows": args.windows,
+        "window_tokens": args.window_tokens,
+        "bos": tokenizer.bos_token_id,
+        "chunk": args.chunk,
+        "kv_group_size": args.kv_group_size,
+        "seed": args.seed,
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "ld_preload": os.environ.get("LD_PRELOAD"),
+        "versions": versions(),
+        "wall_seconds": wall,
+        "results": results,
+    }
+    print(format_table(results))
+    print(f"\n{results[0]['tokens']} scored tokens, {wall:.0f} s.")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

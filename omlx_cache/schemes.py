@@ -1,0 +1,141 @@
+"""KV cache schemes by name, for evaluation and benchmarks.
+
+A scheme string such as ``fp16``, ``8`` or ``8,4`` names how a model's keys
+and values are stored. ``get_scheme`` turns it into a ``Scheme``: a factory
+``(model) -> list of caches`` plus the bits per element the format costs.
+
+New formats register a pattern and a builder, e.g.::
+
+    @register(r"(?P<bits>\\d)\\+rotate", syntax="B+rotate", help="...")
+    def rotated(name, group_size, bits):
+        return Scheme(name, lambda model: ..., bits_per_element=...)
+"""
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from mlx import nn
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    check_kv_quantization,
+    kv_pair,
+    make_prompt_cache,
+)
+
+# the scales and biases of affine quantization, as a float16 / bfloat16 model stores them
+SCALE_BITS = 16
+
+
+@dataclass(frozen=True)
+class Scheme:
+    name: str
+    make_cache: Callable[[nn.Module], list]
+    # (key, value) bits per element as stored, scales and biases included
+    bits_per_element: tuple[float, float]
+    # (key, value) group sizes of a quantized scheme
+    group_size: tuple[int, int] | None = None
+    # the plain cache every other scheme is compared against
+    is_reference: bool = False
+
+
+@dataclass(frozen=True)
+class _Entry:
+    pattern: re.Pattern
+    builder: Callable[..., Scheme]
+    syntax: str
+    help: str
+
+
+_REGISTRY: list[_Entry] = []
+
+
+def register(pattern: str, syntax: str, help: str = ""):
+    """Register ``builder(name, group_size, **named_groups) -> Scheme`` for the
+    scheme strings that fully match ``pattern``."""
+
+    def wrap(builder):
+        _REGISTRY.append(_Entry(re.compile(pattern), builder, syntax, help))
+        return builder
+
+    return wrap
+
+
+def get_scheme(name: str, group_size=64) -> Scheme:
+    """The scheme for ``name``; ``group_size`` is an int or a (key, value) pair."""
+    name = name.strip()
+    for entry in _REGISTRY:
+        match = entry.pattern.fullmatch(name)
+        if match:
+            return entry.builder(name, group_size, **match.groupdict())
+    raise ValueError(f"Unknown KV cache scheme {name!r}; known forms: {known_forms()}.")
+
+
+def known_forms() -> str:
+    return ", ".join(entry.syntax for entry in _REGISTRY)
+
+
+def describe() -> str:
+    """One line per registered form, for ``--help``."""
+    return "; ".join(f"{entry.syntax}: {entry.help}" for entry in _REGISTRY)
+
+
+def parse_group_size(text: str):
+    """``"64"`` -> 64, ``"64,32"`` -> (64, 32)."""
+    parts = [int(part) for part in text.split(",")]
+    if len(parts) == 1:
+        return parts[0]
+    if len(parts) == 2:
+        return tuple(parts)
+    raise ValueError(f"Group size must be N or K,V, got {text!r}.")
+
+
+def plain_layers(model: nn.Module) -> int:
+    """Number of layers of a model whose default cache is a plain KVCache per layer."""
+    caches = make_prompt_cache(model)
+    if not all(type(c) is KVCache for c in caches):
+        kinds = sorted({type(c).__name__ for c in caches})
+        raise ValueError(
+            f"Quantized schemes need a plain KVCache per layer; this model makes {kinds}."
+        )
+    return len(caches)
+
+
+@register(r"fp16", syntax="fp16", help="plain KVCache in the model's dtype (reference)")
+def fp16(name, group_size):
+    return Scheme(
+        name,
+        make_prompt_cache,
+        bits_per_element=(16.0, 16.0),
+        is_reference=True,
+    )
+
+
+def affine_bits(bits: int, group_size: int) -> float:
+    """Bits per element of affine quantization: the codes plus one scale and one
+    bias per group."""
+    return bits + 2 * SCALE_BITS / group_size
+
+
+@register(
+    r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?",
+    syntax="B or K,V",
+    help="mlx affine QuantizedKVCache from the first token, K and V bits",
+)
+def affine(name, group_size, key_bits, value_bits=None):
+    bits = (int(key_bits), int(value_bits or key_bits))
+    group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
+
+    def make_cache(model):
+        return [
+            QuantizedKVCache(group_size=group_sizes, bits=bits)
+            for _ in range(plain_layers(model))
+        ]
+
+    return Scheme(
+        name,
+        make_cache,
+        bits_per_element=tuple(map(affine_bits, bits, group_sizes)),
+        group_size=group_sizes,
+    )

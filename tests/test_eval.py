@@ -1,0 +1,202 @@
+"""Tests for omlx_cache.eval and omlx_cache.schemes on a tiny random llama."""
+
+import json
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+
+from omlx_cache import eval as kv_eval
+from omlx_cache import schemes
+
+CONFIG = {
+    "model_type": "llama",
+    "hidden_size": 128,
+    "num_hidden_layers": 2,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "rms_norm_eps": 1e-5,
+    "vocab_size": 320,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+}
+
+TEXT = (
+    "The quick brown fox jumps over the lazy dog.\r\n"
+    "A tiny model reads a tiny text, one token after another.\r\n"
+) * 40
+
+
+def tiny_model():
+    mx.random.seed(7)
+    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def windows():
+    tokens = np.random.default_rng(0).integers(2, CONFIG["vocab_size"], size=400)
+    return kv_eval.make_windows(tokens.tolist(), 2, 96, bos=1)
+
+
+def by_name(results):
+    return {r["kv"]: r for r in results}
+
+
+@pytest.fixture(scope="module")
+def results(model, windows):
+    names = ["fp16", "8", "4", "8,4"]
+    kv = [schemes.get_scheme(name) for name in names]
+    # the reference scheme again, run separately, must match itself exactly
+    kv.insert(1, schemes.get_scheme("fp16"))
+    results = kv_eval.evaluate_tokens(model, windows, kv, chunk=32)
+    return results
+
+
+def test_reference_against_itself(results):
+    for r in results[:2]:
+        assert r["kv"] == "fp16"
+        assert r["kld"] == 0.0
+        assert r["top1"] == 100.0
+        assert r["delta_ppl_pct"] == 0.0
+    assert results[0]["reference"] and not results[1]["reference"]
+    assert results[0]["ppl"] == results[1]["ppl"]
+
+
+def test_quantized_closer_with_more_bits(results):
+    r = by_name(results[2:])
+    assert 0 < r["8"]["kld"] < 1e-4
+    # values dominate on random weights: 8,4 is about as far off as 4
+    assert r["8"]["kld"] < r["8,4"]["kld"] / 10
+    assert r["8"]["kld"] < r["4"]["kld"] / 10
+    assert r["8"]["top1"] >= r["4"]["top1"]
+    assert r["8"]["top1"] > 95
+    assert abs(r["8"]["delta_ppl_pct"]) < 0.1
+
+
+def test_token_counts_and_bits(results):
+    r = by_name(results[2:])
+    for x in results:
+        assert x["tokens"] == 2 * 95
+        assert x["cache_tokens"] == 95
+    assert r["8"]["bits_per_element"] == {"k": 8.5, "v": 8.5}
+    assert r["8,4"]["bits_per_element"] == {"k": 8.5, "v": 4.5}
+    # float32 model: float32 scales and biases, 64 bits a group of 64
+    assert r["8,4"]["stored_bits_per_element"] == {"k": 9.0, "v": 5.0}
+    assert results[0]["stored_bits_per_element"] == {"k": 32.0, "v": 32.0}
+    # 2 layers x 2 kv heads x 64 dims, keys and values
+    assert results[0]["cache_bytes_per_token"] == 2 * 2 * 64 * 2 * 4
+
+
+def test_intervals_contain_values(results):
+    for r in results:
+        for key in ("ppl", "delta_ppl_pct", "kld", "top1"):
+            lo, hi = r[f"{key}_ci"]
+            assert lo <= r[key] <= hi
+
+
+def test_chunked_matches_full_forward(model, windows):
+    tokens = windows[0]
+    full = model(tokens[None, :-1])[0].astype(mx.float32)
+    full = full - mx.logsumexp(full, axis=-1, keepdims=True)
+    cache = make_prompt_cache(model)
+    assert all(type(c) is KVCache for c in cache)
+    chunked = kv_eval.window_logprobs(model, tokens, cache, chunk=13)
+    assert chunked.shape == full.shape
+    assert mx.allclose(chunked, full, atol=1e-4, rtol=1e-4).item()
+
+
+def test_make_windows():
+    tokens = list(range(10, 30))
+    w = kv_eval.make_windows(tokens, 3, 5, bos=1).tolist()
+    assert w == [[1, 10, 11, 12, 13], [1, 14, 15, 16, 17], [1, 18, 19, 20, 21]]
+    w = kv_eval.make_windows(tokens, 2, 5).tolist()
+    assert w == [[10, 11, 12, 13, 14], [15, 16, 17, 18, 19]]
+    with pytest.raises(ValueError, match="need 24"):
+        kv_eval.make_windows(tokens, 4, 7, bos=1)
+
+
+def test_schemes(model):
+    s = schemes.get_scheme("8,4", group_size=(64, 32))
+    assert s.bits_per_element == (8.5, 5.0)
+    caches = s.make_cache(model)
+    assert len(caches) == len(model.layers)
+    assert all(isinstance(c, QuantizedKVCache) for c in caches)
+    assert (caches[0].key_bits, caches[0].value_bits) == (8, 4)
+    assert (caches[0].key_group_size, caches[0].value_group_size) == (64, 32)
+    assert schemes.get_scheme("fp16").is_reference
+    assert schemes.parse_group_size("64,32") == (64, 32)
+    for bad in ("7", "fp8", "8,4,2", ""):
+        with pytest.raises(ValueError):
+            schemes.get_scheme(bad)
+
+
+def test_resolve_schemes_puts_reference_first():
+    names = [s.name for s in kv_eval.resolve_schemes(["8", "4", "fp16", "8"], 64)]
+    assert names == ["fp16", "8", "4"]
+    names = [s.name for s in kv_eval.resolve_schemes(["4"], 64)]
+    assert names == ["fp16", "4"]
+
+
+def test_read_text(tmp_path):
+    path = tmp_path / "text.raw"
+    path.write_bytes(b"a\r\nb\r\n")
+    assert kv_eval.read_text(path) == "a\nb\n"
+    with pytest.raises(FileNotFoundError, match="--text"):
+        kv_eval.read_text(tmp_path / "missing.raw")
+
+
+def write_model_dir(path, model):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(CONFIG))
+    model.save_weights(str(path / "model.safetensors"))
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=CONFIG["vocab_size"],
+        special_tokens=["<unk>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tokenizer.train_from_iterator([TEXT.replace("\r\n", "\n")], trainer)
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>"})
+    )
+
+
+def test_main_writes_json(tmp_path, model, capsys):
+    model_dir = tmp_path / "tiny"
+    write_model_dir(model_dir, model)
+    text = tmp_path / "text.raw"
+    text.write_bytes(TEXT.encode())
+    out = tmp_path / "out" / "eval.json"
+    argv = ["--model", str(model_dir), "--text", str(text), "--kv", "4"]
+    argv += ["--windows", "2", "--window-tokens", "48", "--chunk", "16"]
+    kv_eval.main([*argv, "--out", str(out)])
+
+    report = json.loads(out.read_text())
+    for key in ("model", "text", "windows", "window_tokens", "chunk", "date"):
+        assert key in report
+    assert set(report["versions"]) >= {"mlx", "mlx_lm"}
+    assert report["bos"] == 1
+    assert [r["kv"] for r in report["results"]] == ["fp16", "4"]
+    for r in report["results"]:
+        assert r["tokens"] == 2 * 47
+        for key in ("ppl", "ppl_ci", "delta_ppl_pct", "kld", "kld_ci", "top1"):
+            assert key in r
+        assert set(r["bits_per_element"]) == {"k", "v"}
+    table = capsys.readouterr().out
+    assert "| fp16 |" in table and "| 4 |" in table
