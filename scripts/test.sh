@@ -29,7 +29,7 @@ run() {  # run NAME DIR ARGS...: pytest in DIR, its output teed to a log
     [ "$rc" -eq 0 ] || status=$rc
 }
 if [ "$which" = upstream ] || [ "$which" = all ]; then
-    run upstream vendor/mlx-lm tests "${deselect_args[@]}" "$@"
+    run upstream vendor/mlx-lm --rootdir . tests "${deselect_args[@]}" "$@"
 fi
 if [ "$which" = ours ] || [ "$which" = all ]; then
     run ours . tests "$@"
