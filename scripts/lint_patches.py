@@ -26,6 +26,7 @@ def lines_ruff_would_change(source, name):
         [*RUFF, "format", "--diff", "--stdin-filename", name, "-"],
         input=source,
         capture_output=True,
+        check=False,
         text=True,
     ).stdout
     return {
@@ -53,7 +54,8 @@ def main():
             print(f"{name}: not formatted: {line}")
         problems += len(ours)
     if files:
-        problems += subprocess.run([*RUFF, "check", "-q", *files], cwd=TREE).returncode
+        check = subprocess.run([*RUFF, "check", "-q", *files], cwd=TREE, check=False)
+        problems += check.returncode
     print(f"lint-patches: {len(files)} patched file(s), {problems} problem(s)")
     return 1 if problems else 0
 

@@ -16,11 +16,6 @@ PPL_REFERENCE = 20.3  # an independent numpy forward pass of the same GGUF
 
 
 @pytest.fixture(scope="session")
-def smollm2_dirs():
-    return models.import_model(models.MODELS["smollm2"], models.REPO_ROOT / "models")
-
-
-@pytest.fixture(scope="session")
 def f32_model(smollm2_dirs):
     from mlx_lm import load
 
