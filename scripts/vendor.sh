@@ -38,6 +38,8 @@ mv "$src" "$dest"
 # the sdist's generated egg-info would shadow the editable install's metadata
 rm -rf "$dest"/mlx_lm.egg-info
 git -C "$dest" init -q -b main
+# what installing the tree generates is not part of any patch
+printf '*.egg-info/\n__pycache__/\nbuild/\n' >> "$dest/.git/info/exclude"
 git -C "$dest" config user.name "omlx-cache vendor"
 git -C "$dest" config user.email "vendor@omlx-cache.invalid"
 git -C "$dest" add -A
