@@ -1,13 +1,14 @@
 """KV cache schemes by name, for evaluation and benchmarks.
 
-A scheme string such as ``fp16``, ``8`` or ``8,4`` names how a model's keys
-and values are stored. ``get_scheme`` turns it into a ``Scheme``: a factory
-``(model) -> list of caches`` plus the bits per element the format costs.
+A scheme string such as ``fp16``, ``8``, ``8,4`` or ``4+rotate`` names how a
+model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
+a factory ``(model) -> list of caches`` plus the bits per element the format
+costs.
 
 New formats register a pattern and a builder, e.g.::
 
-    @register(r"(?P<bits>\\d)\\+rotate", syntax="B+rotate", help="...")
-    def rotated(name, group_size, bits):
+    @register(r"codebook-(?P<bits>\\d)", syntax="codebook-B", help="...")
+    def codebook(name, group_size, bits):
         return Scheme(name, lambda model: ..., bits_per_element=...)
 """
 
@@ -119,17 +120,19 @@ def affine_bits(bits: int, group_size: int) -> float:
 
 
 @register(
-    r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?",
-    syntax="B or K,V",
-    help="mlx affine QuantizedKVCache from the first token, K and V bits",
+    r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?(?P<rotate>\+rotate)?",
+    syntax="B, K,V, B+rotate or K,V+rotate",
+    help="mlx affine QuantizedKVCache from the first token, K and V bits; "
+    "+rotate stores keys and values rotated before quantizing them",
 )
-def affine(name, group_size, key_bits, value_bits=None):
+def affine(name, group_size, key_bits, value_bits=None, rotate=None):
     bits = (int(key_bits), int(value_bits or key_bits))
     group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
+    rotate = rotate is not None
 
     def make_cache(model):
         return [
-            QuantizedKVCache(group_size=group_sizes, bits=bits)
+            QuantizedKVCache(group_size=group_sizes, bits=bits, rotate=rotate)
             for _ in range(plain_layers(model))
         ]
 

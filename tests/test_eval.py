@@ -135,8 +135,11 @@ def test_schemes(model):
     assert (caches[0].key_bits, caches[0].value_bits) == (8, 4)
     assert (caches[0].key_group_size, caches[0].value_group_size) == (64, 32)
     assert schemes.get_scheme("fp16").is_reference
+    rotated = schemes.get_scheme("4+rotate").make_cache(model)[0]
+    assert rotated.rotate is True and rotated.bits == 4
+    assert not caches[0].rotate
     assert schemes.parse_group_size("64,32") == (64, 32)
-    for bad in ("7", "fp8", "8,4,2", ""):
+    for bad in ("7", "fp8", "8,4,2", "", "rotate", "4+rot"):
         with pytest.raises(ValueError):
             schemes.get_scheme(bad)
 
