@@ -16,7 +16,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 VERSION ?=
 
-.PHONY: vendor apply unapply refresh env test test-upstream test-ours lint models standin serve eval bench upstream-check clean
+.PHONY: check-series vendor apply unapply refresh env test test-upstream test-ours lint models standin serve eval bench upstream-check clean
 
 vendor:
 	scripts/vendor.sh
@@ -73,6 +73,9 @@ $(EVAL_MODEL)/config.json:
 
 bench:
 	$(PY) -m omlx_cache.bench --out docs/bench-cpu.json --plot-dir docs $(BENCH_ARGS)
+
+check-series: standin
+	scripts/check_series.sh
 
 upstream-check:
 	@test -n "$(VERSION)" || { echo "usage: make upstream-check VERSION=x.y.z" >&2; exit 2; }
