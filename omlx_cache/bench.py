@@ -178,11 +178,8 @@ def import_pristine(root: Path = VENDOR / "pristine"):
 
 def pristine_version(root: Path = VENDOR / "pristine") -> str | None:
     path = root / "mlx_lm" / "_version.py"
-    found = (
-        re.search(r"__version__ = \"(.+)\"", path.read_text())
-        if path.exists()
-        else None
-    )
+    text = path.read_text() if path.exists() else ""
+    found = re.search(r"__version__ = [\"'](.+)[\"']", text)
     return found and found.group(1)
 
 
@@ -353,6 +350,27 @@ def prefill(model, prompt, cache, step, after_call, deadline):
     return logits.reshape(-1)
 
 
+def synthetic_fill(model, context, cache, step, after_call, deadline):
+    """Fill every layer's cache with random keys and values, ``step`` tokens
+    at a time, without running the model: decode speed does not depend on
+    the values, and no prefill attention runs. Returns no logits."""
+    attention = model.model.layers[0].self_attn
+    shape = (1, attention.n_kv_heads, step, attention.head_dim)
+    dtype = model.model.norm.weight.dtype
+    for start in range(0, context, step):
+        n = min(step, context - start)
+        keys, values = mx.random.normal((2, *shape), key=mx.random.key(start))
+        keys, values = keys[..., :n, :].astype(dtype), values[..., :n, :].astype(dtype)
+        for c in cache:
+            c.update_and_fetch(keys, values)
+        after_call(cache)
+        mx.eval([c.state for c in cache])
+        mx.clear_cache()
+        if time.perf_counter() > deadline and start + step < context:
+            done = start + step
+            raise BudgetExceeded(f"fill stopped by the budget at {done}/{context}")
+
+
 def decode(model, cache, tokens, after_call, deadline, min_steps=3):
     """Single-token steps: the per-step times and the first step's logits."""
     times, first = [], None
@@ -387,7 +405,7 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
     mx.eval(prompt, steps)
     budget = opts.case_budget or math.inf
     after_call = converter(scheme, opts.kv_group_size)
-    row = {"context": context, "scheme": scheme.name, "sweep": sweep}
+    row = case_row(scheme, context, sweep, opts.fill)
 
     with page_size(scheme.page_size):
         cache = make_cache(
@@ -402,9 +420,9 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
         active = mx.get_active_memory()
         mx.reset_peak_memory()
         tic = time.perf_counter()
-        logits = prefill(
-            model, prompt, cache, opts.prefill_step, after_call, tic + budget
-        )
+        fill = synthetic_fill if opts.fill == "synthetic" else prefill
+        source = prompt if opts.fill == "prefill" else context
+        logits = fill(model, source, cache, opts.prefill_step, after_call, tic + budget)
         prefill_s = time.perf_counter() - tic
         peak = mx.get_peak_memory()
         kv_bytes = sum(c.nbytes for c in cache)
@@ -419,7 +437,13 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
         )
         mx.reset_peak_memory()
         deadline = time.perf_counter() + max(budget - prefill_s, 0)
-        times, first = decode(model, cache, steps, after_call, deadline)
+        try:
+            times, first = decode(model, cache, steps, after_call, deadline)
+        # upstream's decode attention raises on CUDA: keep the prefill numbers
+        except Exception as e:  # noqa: BLE001
+            row["decode_error"] = f"{type(e).__name__}: {e}"
+            add_errors(row, setup, scheme, context, logits, None)
+            return row
         row["decode_peak_bytes"] = mx.get_peak_memory()
     timed = times[opts.decode_warmup :] or times[-1:]
     median = statistics.median(timed)
@@ -452,11 +476,76 @@ def add_errors(row, setup, scheme, context, prefill_logits, decode_logits):
     if context not in setup.references:
         return
     ref_prefill, ref_decode = setup.references[context]
-    row["prefill_logits_rel_err"] = rel_err(prefill_logits, ref_prefill)
-    row["decode_logits_rel_err"] = rel_err(decode_logits, ref_decode)
+    if prefill_logits is not None and ref_prefill is not None:
+        row["prefill_logits_rel_err"] = rel_err(prefill_logits, ref_prefill)
+    if decode_logits is not None and ref_decode is not None:
+        row["decode_logits_rel_err"] = rel_err(decode_logits, ref_decode)
+
+
+# --- which quantized matmuls the backend runs ---------------------------------
+
+
+def probe_case(rows, tile, n_kv_heads, head_dim, bits, sliced, transpose):
+    """One attention matmul of a tile of ``tile`` keys: the scores
+    (``transpose``, queries @ keys^T) or the output (probs @ values). The tile
+    is a whole page, or a slice of a page four times as long."""
+    page = 4 * tile if sliced else tile
+    data = mx.random.normal((1, n_kv_heads, page, head_dim)).astype(mx.float16)
+    packed = mx.quantize(data, group_size=64, bits=bits)
+    if sliced:
+        packed = tuple(x[..., tile : 2 * tile, :] for x in packed)
+    width = head_dim if transpose else tile
+    x = mx.random.normal((1, n_kv_heads, rows, width)).astype(mx.float16)
+    mx.eval(x, packed)
+
+    def step():
+        out = mx.quantized_matmul(
+            x, *packed, transpose=transpose, group_size=64, bits=bits
+        )
+        mx.eval(out)
+
+    try:
+        step()
+        times = []
+        for _ in range(3):
+            tic = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - tic)
+        return f"ok {statistics.median(times) * 1e3:.3f} ms"
+    except Exception as e:  # noqa: BLE001 (the point is to record it)
+        return f"{type(e).__name__}: {e}"[:160]
+
+
+def probe(n_kv_heads: int = 8, head_dim: int = 128, tile: int = 256) -> list[dict]:
+    """Which of the tiled attention's quantized matmuls run here: a whole
+    page as the tile or a slice of a longer page, decode (4 query rows per
+    key head) or a 2048-token prefill chunk (8192 rows)."""
+    results = []
+    for rows in (4, 8192):
+        for bits in (4, 8):
+            for sliced in (False, True):
+                for transpose in (True, False):
+                    result = probe_case(
+                        rows, tile, n_kv_heads, head_dim, bits, sliced, transpose
+                    )
+                    results.append(
+                        {
+                            "rows": rows,
+                            "bits": bits,
+                            "tile": "slice of a page" if sliced else "whole page",
+                            "matmul": "scores" if transpose else "output",
+                            "result": result,
+                        }
+                    )
+                    log(f"bench: probe {results[-1]}")
+    return results
 
 
 # --- the run -----------------------------------------------------------------
+
+
+def case_row(scheme: Scheme, context: int, sweep: bool, fill: str) -> dict:
+    return {"context": context, "scheme": scheme.name, "sweep": sweep, "fill": fill}
 
 
 class Runner:
@@ -495,12 +584,13 @@ class Runner:
     def sweep(self, schemes: list[Scheme], context: int):
         """More schemes (page sizes) at one context, with fp16 for reference."""
         self.over_budget.clear()
+        fill = self.setup.options.fill
         for scheme in [parse_scheme("fp16")] + schemes if schemes else []:
-            if not find(self.report["rows"], context, scheme.name):
+            if not find(self.report["rows"], context, scheme.name, fill):
                 self.run(scheme, context, sweep=scheme.kind != "fp")
 
     def run(self, scheme: Scheme, context: int, sweep: bool = False):
-        row = {"context": context, "scheme": scheme.name, "sweep": sweep}
+        row = case_row(scheme, context, sweep, self.setup.options.fill)
         reason = self.skip_reason(scheme)
         if reason:
             row["skipped"] = reason
@@ -521,24 +611,16 @@ class Runner:
             # a hung kernel cannot be interrupted: end the process, whose JSON
             # already names the running case
             faulthandler.dump_traceback_later(timeout, exit=True)
+        row = case_row(scheme, context, sweep, self.setup.options.fill)
         try:
             return run_case(self.setup, scheme, context, sweep)
         except BudgetExceeded as e:
             self.over_budget.add(scheme.name)
-            return {
-                "context": context,
-                "scheme": scheme.name,
-                "sweep": sweep,
-                "skipped": f"{e} ({self.setup.options.case_budget:g} s budget)",
-            }
+            budget = self.setup.options.case_budget
+            return {**row, "skipped": f"{e} ({budget:g} s budget)"}
         # upstream's quantized attention raises on CUDA; any error is recorded
         except Exception as e:  # noqa: BLE001
-            return {
-                "context": context,
-                "scheme": scheme.name,
-                "sweep": sweep,
-                "error": f"{type(e).__name__}: {e}",
-            }
+            return {**row, "error": f"{type(e).__name__}: {e}"}
         finally:
             if timeout:
                 faulthandler.cancel_dump_traceback_later()
@@ -549,10 +631,11 @@ class Runner:
 def summary(row: dict) -> str:
     if "error" in row or "skipped" in row:
         return row.get("error") or row["skipped"]
+    decode = row.get("decode_error") or f"{row['decode_tok_s']:.1f} tok/s"
     return (
         f"peak {row['peak_bytes'] / MIB:.1f} MiB, KV {row['kv_bytes'] / MIB:.1f} MiB, "
         f"workspace {row['workspace_bytes'] / MIB:.1f} MiB, "
-        f"prefill {row['prefill_tok_s']:.0f} tok/s, decode {row['decode_tok_s']:.1f} tok/s"
+        f"prefill {row['prefill_tok_s']:.0f} tok/s, decode {decode}"
     )
 
 
@@ -562,8 +645,8 @@ def warm_up(setup: Setup, schemes: list[Scheme], tokens: int):
     errors = {}
     opts = setup.options
     references = dict(setup.references)
-    saved = opts.decode_warmup, opts.decode_tokens, opts.case_budget
-    opts.decode_warmup, opts.decode_tokens, opts.case_budget = 0, 2, 0
+    saved = opts.decode_warmup, opts.decode_tokens
+    opts.decode_warmup, opts.decode_tokens = 0, 2
     try:
         for scheme in schemes:
             tic = time.perf_counter()
@@ -575,7 +658,7 @@ def warm_up(setup: Setup, schemes: list[Scheme], tokens: int):
             gc.collect()
             mx.clear_cache()
     finally:
-        opts.decode_warmup, opts.decode_tokens, opts.case_budget = saved
+        opts.decode_warmup, opts.decode_tokens = saved
         setup.references = references
     return errors
 
@@ -680,6 +763,8 @@ def run_bench(options: argparse.Namespace) -> dict:
         "rows": [],
         "running": None,
     }
+    if options.probe:
+        report["probe"] = probe()
     runner = Runner(setup, report)
     # upstream's quantized attention can fail, or hang, on CUDA: it runs last
     ours = sorted((s for s in schemes if s.kind != "upstream"), key=lambda s: s.kind)
@@ -698,19 +783,24 @@ def tile_scores() -> int | None:
 # --- reporting -----------------------------------------------------------------
 
 
-def ok(row: dict | None) -> bool:
-    return row is not None and "error" not in row and "skipped" not in row
+def ok(row: dict | None, key: str = "peak_bytes") -> bool:
+    """Whether ``row`` measured ``key`` (its decode may have failed alone)."""
+    return row is not None and key in row
 
 
-def find(rows, context, scheme):
+def row_key(row: dict) -> tuple:
+    return row["context"], row["scheme"], row.get("fill", "prefill")
+
+
+def find(rows, context, scheme, fill="prefill"):
     for row in rows:
-        if (row["context"], row["scheme"]) == (context, scheme):
+        if row_key(row) == (context, scheme, fill):
             return row
     return None
 
 
 def ratio(row, other, key) -> str:
-    if not (ok(row) and ok(other)) or not other[key]:
+    if not (ok(row, key) and ok(other, key)) or not other[key]:
         return "—"
     return f"{row[key] / other[key]:.2f}"
 
@@ -729,7 +819,8 @@ def markdown_table(rows: list[dict], weights_bytes: int, everything=None) -> lis
         (
             f"| context | scheme | weights {unit} | KV {unit} (nbytes) | peak {unit} "
             f"| workspace {unit} | prefill tok/s | decode tok/s | peak / fp16 "
-            "| peak / upstream | decode / fp16 | decode / upstream | logits err |"
+            "| peak / upstream | decode / fp16 | decode / upstream "
+            "| logits err (prefill, decode) |"
         ),
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
@@ -739,16 +830,18 @@ def markdown_table(rows: list[dict], weights_bytes: int, everything=None) -> lis
             note = (row.get("error") or row.get("skipped", "")).replace("|", "/")
             lines.append(f"{head} {note[:120]} |" + " |" * 9)
             continue
-        fp = find(everything, row["context"], "fp16")
-        up = find(everything, row["context"], parse_scheme(row["scheme"]).counterpart)
-        err = row.get("decode_logits_rel_err")
+        key = row["context"], row.get("fill", "prefill")
+        fp = find(everything, key[0], "fp16", key[1])
+        up = find(everything, key[0], parse_scheme(row["scheme"]).counterpart, key[1])
+        decode = f"{row['decode_tok_s']:.1f}" if ok(row, "decode_tok_s") else "error"
+        errors = [row.get(f"{k}_logits_rel_err") for k in ("prefill", "decode")]
+        errors = ", ".join("—" if e is None else f"{e:.3g}" for e in errors)
         lines.append(
             f"{head} {row['kv_bytes'] / scale:.3f} | {row['peak_bytes'] / scale:.3f} "
             f"| {row['workspace_bytes'] / scale:.3f} | {row['prefill_tok_s']:.0f} "
-            f"| {row['decode_tok_s']:.1f} | {ratio(row, fp, 'peak_bytes')} "
+            f"| {decode} | {ratio(row, fp, 'peak_bytes')} "
             f"| {ratio(row, up, 'peak_bytes')} | {ratio(row, fp, 'decode_tok_s')} "
-            f"| {ratio(row, up, 'decode_tok_s')} "
-            f"| {'—' if err is None else f'{err:.3g}'} |"
+            f"| {ratio(row, up, 'decode_tok_s')} | {errors} |"
         )
     return lines
 
@@ -774,21 +867,38 @@ def floor_table(rows: list[dict]) -> list[str]:
     return lines
 
 
+FILLS = {
+    "prefill": "chunked prefill",
+    "synthetic": "synthetic fill (random keys and values written to the cache, "
+    "no prefill attention: decode speed only)",
+}
+
+
 def report_markdown(report: dict) -> str:
-    rows = report["rows"]
+    device = report["device"].get("device_name", report["device"]["default_device"])
+    preset = report["preset"]
+    lines = [
+        f"bench {preset['name']} ({preset['dtype']}) on {device}, "
+        + f"{report['date']}, mlx {report['versions']['mlx']}"
+    ]
+    for fill, title in FILLS.items():
+        rows = [r for r in report["rows"] if r.get("fill", "prefill") == fill]
+        if rows:
+            lines += ["", f"Cache filled by {title}", ""]
+            lines += fill_tables(rows, report["weights_bytes"])
+    floors = floor_table(report["rows"])
+    if floors:
+        lines += ["", f"Bandwidth floor ({report['args']['bandwidth_gbs']:g} GB/s)", ""]
+        lines += floors
+    return "\n".join(lines)
+
+
+def fill_tables(rows: list[dict], weights_bytes: int) -> list[str]:
+    """The grid, then the page-size sweep with the grid's rows at its context."""
     grid = [r for r in rows if not r["sweep"]]
     sweep = [r for r in rows if r["sweep"]]
-    device = report["device"].get("device_name", report["device"]["default_device"])
-    lines = [
-        (
-            f"bench {report['preset']['name']} ({report['preset']['dtype']}) on "
-            f"{device}, {report['date']}, mlx {report['versions']['mlx']}"
-        ),
-        "",
-        *markdown_table(grid, report["weights_bytes"]),
-    ]
+    lines = markdown_table(grid, weights_bytes) if grid else []
     if sweep:
-        # the sweep's context as run in the grid too, for comparison
         context = sweep[0]["context"]
         same = [
             r
@@ -796,16 +906,14 @@ def report_markdown(report: dict) -> str:
             if r["context"] == context and parse_scheme(r["scheme"]).kind == "ours"
         ]
         lines += ["", f"Page-size sweep at {context} tokens", ""]
-        lines += markdown_table(same + sweep, report["weights_bytes"], rows)
-    floors = floor_table(rows)
-    if floors:
-        lines += ["", f"Bandwidth floor ({report['args']['bandwidth_gbs']:g} GB/s)", ""]
-        lines += floors
-    return "\n".join(lines)
+        lines += markdown_table(same + sweep, weights_bytes, rows)
+    return lines
 
 
 def plot(report: dict, plot_dir, prefix: str) -> list[str]:
-    """Peak memory and decode speed against context, one line per scheme."""
+    """Peak memory and decode speed against context, one line per scheme:
+    ``{prefix}-peak.png``, ``{prefix}-decode.png`` and, for a synthetic fill,
+    ``{prefix}-decode-synthetic.png``."""
     try:
         import matplotlib
 
@@ -814,21 +922,33 @@ def plot(report: dict, plot_dir, prefix: str) -> list[str]:
     except ImportError:
         log("bench: matplotlib is missing: no plots")
         return []
-    rows = [r for r in report["rows"] if ok(r) and not r["sweep"]]
-    if not rows:
-        return []
-    schemes = list(dict.fromkeys(r["scheme"] for r in rows))
     device = report["device"].get("device_name", report["device"]["default_device"])
     title = f"{report['preset']['name']} ({report['preset']['dtype']}), {device}"
+    rows = [r for r in report["rows"] if ok(r) and not r["sweep"]]
+    prefilled = [r for r in rows if r.get("fill", "prefill") == "prefill"]
+    synthetic = [r for r in rows if r.get("fill") == "synthetic"]
+    plots = (
+        (prefilled, "peak_bytes", "peak memory during prefill (GiB)", GIB, "peak"),
+        (prefilled, "decode_tok_s", "decode tokens/s", 1, "decode"),
+        (
+            synthetic,
+            "decode_tok_s",
+            "decode tokens/s (synthetic fill)",
+            1,
+            "decode-synthetic",
+        ),
+    )
     paths = []
-    for key, label, name, scale in (
-        ("peak_bytes", "peak memory during prefill (GiB)", "peak", GIB),
-        ("decode_tok_s", "decode tokens/s", "decode", 1),
-    ):
+    for selected, key, label, scale, name in plots:
+        selected = [r for r in selected if key in r]
+        if not selected:
+            continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for scheme in schemes:
+        for scheme in dict.fromkeys(r["scheme"] for r in selected):
             points = [
-                (r["context"], r[key] / scale) for r in rows if r["scheme"] == scheme
+                (r["context"], r[key] / scale)
+                for r in selected
+                if r["scheme"] == scheme
             ]
             ax.plot(*zip(*points), marker="o", label=scheme)
         ax.set_xscale("log", base=2)
@@ -854,8 +974,10 @@ def merge(paths: list[str]) -> dict:
     rows = {}
     for report in reports:
         for row in report["rows"]:
-            rows[(row["context"], row["scheme"])] = row
-    merged["rows"] = sorted(rows.values(), key=lambda r: (r["sweep"], r["context"]))
+            rows[row_key(row)] = row
+    merged["rows"] = sorted(
+        rows.values(), key=lambda r: (r.get("fill", ""), r["sweep"], r["context"])
+    )
     merged["merged_from"] = [
         {"file": Path(p).name, "date": r["date"], "args": r["args"]}
         for p, r in zip(paths, reports)
@@ -884,6 +1006,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--decode-tokens", type=int, default=16, help="timed steps")
     parser.add_argument("--decode-warmup", type=int, default=3, help="untimed steps")
     parser.add_argument("--prefill-step", type=int, default=2048)
+    parser.add_argument(
+        "--fill",
+        choices=("prefill", "synthetic"),
+        default="prefill",
+        help="fill the cache by chunked prefill, or with random keys and values "
+        "(decode speed only: no prefill attention, no logits after the fill)",
+    )
     parser.add_argument("--dtype", help="activations (default: the preset's)")
     parser.add_argument("--kv-group-size", type=int, default=64)
     parser.add_argument("--page-size", type=int, help="QuantizedKVCache.page_size")
@@ -919,6 +1048,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--bandwidth-gbs", type=float, help="default: H100/H200 datasheet"
+    )
+    parser.add_argument(
+        "--probe",
+        action="store_true",
+        help="first try the attention's quantized matmuls at an 8B model's shapes",
     )
     parser.add_argument("--out", help="JSON file (rewritten after every case)")
     parser.add_argument("--plot-dir")

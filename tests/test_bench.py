@@ -139,3 +139,41 @@ def test_merge(run, tmp_path):
     merged = bench.merge([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert len(merged["rows"]) == len(report["rows"])
     assert [m["file"] for m in merged["merged_from"]] == ["a.json", "b.json"]
+
+
+def tiny_run(tmp_path, *extra):
+    patch = pytest.MonkeyPatch()
+    patch.setitem(bench.PRESETS, "test-tiny", TINY)
+    args = ["--preset", "test-tiny", "--contexts", "512", "--prefill-step", "128"]
+    args += ["--decode-tokens", "2", "--decode-warmup", "1", *extra]
+    try:
+        return bench.bench(bench.parse_args(args))
+    finally:
+        patch.undo()
+
+
+def test_synthetic_fill(tmp_path):
+    report = tiny_run(
+        tmp_path, "--fill", "synthetic", "--schemes", "fp16", "4", "upstream-4@256"
+    )
+    for r in report["rows"]:
+        assert r["fill"] == "synthetic" and "error" not in r, r
+        assert "prefill_logits_rel_err" not in r
+        assert r["decode_logits_rel_err"] < 0.5
+    assert bench.find(report["rows"], 512, "fp16") is None
+    fp = bench.find(report["rows"], 512, "fp16", "synthetic")
+    late = bench.find(report["rows"], 512, "upstream-4@256", "synthetic")
+    assert late["kv_bytes"] < fp["kv_bytes"]
+    assert "synthetic fill" in bench.report_markdown(report)
+
+
+def test_decode_error_keeps_prefill(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no implementation")
+
+    monkeypatch.setattr(bench, "decode", broken)
+    report = tiny_run(tmp_path, "--schemes", "fp16", "4")
+    for r in report["rows"]:
+        assert r["decode_error"] == "RuntimeError: no implementation"
+        assert r["peak_bytes"] > 0 and "decode_tok_s" not in r
+    assert "| error |" in bench.report_markdown(report)
