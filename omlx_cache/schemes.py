@@ -142,3 +142,7 @@ def affine(name, group_size, key_bits, value_bits=None, rotate=None):
         bits_per_element=tuple(map(affine_bits, bits, group_sizes)),
         group_size=group_sizes,
     )
+
+
+# formats defined in their own modules register themselves when imported
+from . import codebook  # noqa: F401

@@ -1,0 +1,878 @@
+"""A 3- or 4-bit codebook KV cache (TurboQuant / PlanarQuant style).
+
+Each key or value vector (one head, length D) is stored as its L2 norm in
+float16 and, for each of its D coordinates after an orthogonal rotation, a
+b-bit index into a Lloyd-Max codebook. A rotated unit vector's coordinates
+are close to N(0, 1/D) whatever the input, so one fixed codebook (the
+Lloyd-Max levels of a unit Gaussian, scaled by 1/sqrt(D)) fits every head and
+layer without calibration. Indices are packed densely (32 three-bit indices
+in 3 uint32 words), so an element costs b + 16/D bits: 3.125 at D = 128.
+
+The cache is paged like mlx-lm's ``QuantizedKVCache``: vectors are encoded
+once, as they arrive, into pages allocated once and written in place. It
+attends over its own pages: one tile of keys at a time is decoded into the
+rotated domain (indices -> codebook levels -> times the norms), the queries are
+rotated once instead of the keys, the values are accumulated in their rotated
+domain and the output is rotated back once. The softmax is online (running
+maximum and sum in float32), so only one tile is ever dequantized.
+
+Keys and values each have a codec: ``Codebook`` (the above), ``Affine``
+(mlx's affine quantization, optionally rotated) or ``Plain`` (unquantized,
+for measuring K-only or V-only error).
+"""
+
+import math
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.base import (
+    _fold_queries,
+    _quantized_sdpa_tile,
+    _quantized_sdpa_tile_mask,
+    _quantized_sdpa_tiles,
+)
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    _BaseCache,
+    _PagedKV,
+    create_attention_mask,
+    dynamic_roll,
+    kv_rotate,
+    register_cache_class,
+)
+
+ROTATIONS = ("hadamard", "givens", "none")
+# how the stored norm scales the decoded unit vector (see ``Codebook``)
+NORMS = ("dot", "length", "plain")
+NORM_BITS = 16
+
+
+# ---------------------------------------------------------------------------
+# Lloyd-Max codebook of a unit Gaussian
+
+
+def _gaussian_pdf(x):
+    return np.exp(-0.5 * x * x) / math.sqrt(2 * math.pi)
+
+
+def _gaussian_cdf(x):
+    return 0.5 * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
+
+
+def _cells(levels):
+    """Lower and upper edges of the nearest-level cells."""
+    edges = np.concatenate([[-np.inf], (levels[1:] + levels[:-1]) / 2, [np.inf]])
+    return edges[:-1], edges[1:]
+
+
+def gaussian_mse(levels) -> float:
+    """Mean squared error of rounding a unit Gaussian to the nearest level."""
+    lo, hi = _cells(np.asarray(levels, np.float64))
+    p = _gaussian_cdf(hi) - _gaussian_cdf(lo)
+    # x * pdf(x) is 0 at +-inf: take x as 0 there rather than inf * 0
+    lo_pdf = np.where(np.isinf(lo), 0, lo) * _gaussian_pdf(lo)
+    hi_pdf = np.where(np.isinf(hi), 0, hi) * _gaussian_pdf(hi)
+    second = p + lo_pdf - hi_pdf  # E[x^2 ; cell]
+    first = _gaussian_pdf(lo) - _gaussian_pdf(hi)  # E[x ; cell]
+    return float(np.sum(second - 2 * levels * first + levels**2 * p))
+
+
+@lru_cache
+def lloyd_max(bits: int, tol: float = 1e-12, max_iter: int = 100_000):
+    """The 2**bits Lloyd-Max levels of a unit Gaussian (ascending, as a tuple)
+    and their mean squared error, by Lloyd's algorithm on the exact density:
+    each level moves to the mean of its cell until none moves by ``tol``."""
+    levels = np.linspace(-2.0, 2.0, 1 << bits)
+    for _ in range(max_iter):
+        lo, hi = _cells(levels)
+        p = _gaussian_cdf(hi) - _gaussian_cdf(lo)
+        new = (_gaussian_pdf(lo) - _gaussian_pdf(hi)) / p
+        done = np.max(np.abs(new - levels)) < tol
+        levels = new
+        if done:
+            break
+    return tuple(levels.tolist()), gaussian_mse(levels)
+
+
+@lru_cache
+def _levels(bits: int, dim: int, dtype) -> mx.array:
+    """Codebook levels for the coordinates of a rotated unit vector of ``dim``."""
+    levels, _ = lloyd_max(bits)
+    return (mx.array(levels) / math.sqrt(dim)).astype(dtype)
+
+
+@lru_cache
+def _thresholds(bits: int) -> mx.array:
+    """Cell edges between the unit-Gaussian levels."""
+    levels = np.array(lloyd_max(bits)[0])
+    return mx.array((levels[1:] + levels[:-1]) / 2, dtype=mx.float32)
+
+
+# ---------------------------------------------------------------------------
+# Rotations
+
+
+@lru_cache
+def _givens_angles(dim: int):
+    """Cosines and sines of the fixed random angles of the D/2 plane rotations."""
+    theta = np.random.default_rng(dim).uniform(0, 2 * np.pi, dim // 2)
+    return mx.array(np.cos(theta), mx.float32), mx.array(np.sin(theta), mx.float32)
+
+
+def givens_rotate(x: mx.array, inverse: bool = False) -> mx.array:
+    """Rotate each pair of coordinates (2i, 2i + 1) of the last axis by its own
+    fixed random angle (PlanarQuant's block-diagonal rotation), or back."""
+    cos, sin = _givens_angles(x.shape[-1])
+    if inverse:
+        sin = -sin
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = mx.stack([cos * a - sin * b, sin * a + cos * b], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def rotate(x: mx.array, rotation: str, inverse: bool = False) -> mx.array:
+    """Apply the named orthogonal rotation to the last axis of ``x`` (or undo it)."""
+    if rotation == "hadamard":
+        return kv_rotate(x, inverse=inverse)
+    if rotation == "givens":
+        return givens_rotate(x, inverse=inverse)
+    return x
+
+
+def _check_rotation(rotation: str):
+    if rotation not in ROTATIONS:
+        raise ValueError(f"Unknown rotation {rotation!r}; one of {ROTATIONS}.")
+
+
+# ---------------------------------------------------------------------------
+# Dense bit packing
+
+
+@lru_cache
+def _layout(bits: int):
+    """How ``bits``-bit indices lie in uint32 words: a block of ``per`` indices
+    fills ``words`` words exactly; index i starts at bit ``shift[i]`` of word
+    ``word[i]`` and spills into the next word when ``spill[i]``."""
+    per = 32 // math.gcd(bits, 32)
+    words = per * bits // 32
+    start = np.arange(per) * bits
+    word, shift = start // 32, start % 32
+    spill = shift + bits > 32
+    # the low bits of a spilling index go to ``word``, the rest to word + 1
+    back = np.where(spill, 32 - shift, 0)
+
+    def onehot(w):
+        return mx.array(np.arange(words) == w[:, None], mx.uint32)
+
+    return {
+        "per": per,
+        "words": words,
+        "word": mx.array(word, mx.uint32),
+        "next": mx.array(np.minimum(word + 1, words - 1), mx.uint32),
+        "shift": mx.array(shift, mx.uint32),
+        "back": mx.array(back, mx.uint32),
+        "spill": mx.array(spill, mx.uint32),
+        "to_word": onehot(word),
+        "to_next": onehot(word + 1),
+    }
+
+
+def packed_dim(dim: int, bits: int) -> int:
+    """uint32 words holding ``dim`` indices of ``bits`` bits."""
+    per = _layout(bits)["per"]
+    if dim % per:
+        raise ValueError(f"{bits}-bit packing needs a multiple of {per}, got {dim}.")
+    return dim * bits // 32
+
+
+def pack(indices: mx.array, bits: int) -> mx.array:
+    """Pack the last axis of ``indices`` (each < 2**bits) into uint32 words with
+    no unused bit: (..., D) -> (..., D * bits / 32)."""
+    lay = _layout(bits)
+    dim = indices.shape[-1]
+    words = packed_dim(dim, bits)
+    blocks = indices.astype(mx.uint32).reshape(-1, dim // lay["per"], lay["per"], 1)
+    low = blocks << lay["shift"][:, None]
+    high = (blocks >> lay["back"][:, None]) * lay["spill"][:, None]
+    # the bits of different indices never overlap: a sum is an OR
+    out = (low * lay["to_word"]).sum(axis=-2) + (high * lay["to_next"]).sum(axis=-2)
+    return out.reshape(*indices.shape[:-1], words)
+
+
+def unpack(packed: mx.array, bits: int) -> mx.array:
+    """The uint32 indices that ``pack`` packed: (..., W) -> (..., W * 32 / bits)."""
+    lay = _layout(bits)
+    words = packed.shape[-1]
+    blocks = packed.reshape(*packed.shape[:-1], words // lay["words"], lay["words"])
+    low = mx.take(blocks, lay["word"], axis=-1) >> lay["shift"]
+    high = (mx.take(blocks, lay["next"], axis=-1) << lay["back"]) * lay["spill"]
+    indices = (low | high) & ((1 << bits) - 1)
+    return indices.reshape(*packed.shape[:-1], words * 32 // bits)
+
+
+# ---------------------------------------------------------------------------
+# Codecs: how one tensor (keys or values) is stored
+
+
+def _zeros(x: mx.array, size: int, *widths):
+    """Zero arrays (B, n_kv_heads, size, width) for each ``(width, dtype)``."""
+    B, n_kv_heads = x.shape[:2]
+    return tuple(mx.zeros((B, n_kv_heads, size, w), dtype) for w, dtype in widths)
+
+
+@dataclass(frozen=True)
+class Codebook:
+    """``bits``-bit Lloyd-Max codebook on rotated unit vectors plus a float16 norm.
+
+    ``norm`` is what the stored float16 scalar makes of the decoded unit
+    vector ``c`` (the codebook levels) for an input ``x = |x| u``:
+
+    - ``"dot"``: ``|x| / <u, c>``, so the decoded vector's component along
+      ``x`` is exact and dot products with it are unbiased (quantizing to the
+      nearest level shrinks the vector along itself by about the MSE);
+    - ``"length"``: ``|x| / |c|``, the decoded vector has the input's length;
+    - ``"plain"``: ``|x|``.
+    """
+
+    bits: int = 3
+    rotation: str = "hadamard"
+    norm: str = "dot"
+    parts = 2  # arrays per page: packed indices, norms
+
+    def __post_init__(self):
+        if not 1 <= self.bits <= 8:
+            raise ValueError(f"Codebook bits must be 1 to 8, got {self.bits}.")
+        _check_rotation(self.rotation)
+        if self.norm not in NORMS:
+            raise ValueError(f"Unknown norm {self.norm!r}; one of {NORMS}.")
+
+    @property
+    def spec(self) -> str:
+        return f"codebook-{self.bits}-{self.rotation}-{self.norm}"
+
+    @property
+    def rotated(self) -> bool:
+        return self.rotation != "none"
+
+    def bits_per_element(self, dim: int) -> float:
+        return self.bits + NORM_BITS / dim
+
+    def check_dim(self, dim: int):
+        packed_dim(dim, self.bits)
+        if self.rotation == "givens" and dim % 2:
+            raise ValueError(f"Givens rotation needs an even head dim, got {dim}.")
+
+    def dim(self, page) -> int:
+        return page[0].shape[-1] * 32 // self.bits
+
+    def empty_page(self, x: mx.array, size: int):
+        dim = packed_dim(x.shape[-1], self.bits)
+        return _zeros(x, size, (dim, mx.uint32), (1, mx.float16))
+
+    def encode(self, x: mx.array):
+        """(packed indices, float16 norms) of the vectors on the last axis."""
+        dim = x.shape[-1]
+        x = rotate(x.astype(mx.float32), self.rotation)
+        length = mx.sqrt((x * x).sum(axis=-1, keepdims=True))
+        unit = x / mx.maximum(length, 1e-30)
+        cells = unit[..., None] * math.sqrt(dim) > _thresholds(self.bits)
+        indices = cells.astype(mx.uint32).sum(axis=-1)
+        if self.norm == "plain":
+            norm = length
+        else:
+            decoded = _levels(self.bits, dim, mx.float32)[indices]
+            if self.norm == "dot":
+                scale = (unit * decoded).sum(axis=-1, keepdims=True)
+            else:
+                scale = mx.sqrt((decoded * decoded).sum(axis=-1, keepdims=True))
+            norm = length / mx.maximum(scale, 1e-30)
+        norm = mx.minimum(norm, float(np.finfo(np.float16).max))
+        return pack(indices, self.bits), norm.astype(mx.float16)
+
+    def decode(self, page, dtype) -> mx.array:
+        """The stored vectors, in the rotated domain."""
+        packed, norms = page
+        levels = _levels(self.bits, self.dim(page), dtype)
+        return levels[unpack(packed, self.bits)] * norms.astype(dtype)
+
+
+@dataclass(frozen=True)
+class Affine:
+    """mlx's affine quantization (``mx.quantize``), after an optional rotation."""
+
+    bits: int = 4
+    group_size: int = 64
+    rotation: str = "hadamard"
+    parts = 3  # arrays per page: packed, scales, biases
+
+    def __post_init__(self):
+        _check_rotation(self.rotation)
+
+    @property
+    def spec(self) -> str:
+        return f"affine-{self.bits}-{self.group_size}-{self.rotation}"
+
+    @property
+    def rotated(self) -> bool:
+        return self.rotation != "none"
+
+    def bits_per_element(self, dim: int) -> float:
+        return self.bits + 2 * NORM_BITS / self.group_size
+
+    def check_dim(self, dim: int):
+        if dim % self.group_size:
+            raise ValueError(f"Head dim {dim} is not a multiple of {self.group_size}.")
+
+    def dim(self, page) -> int:
+        return page[0].shape[-1] * 32 // self.bits
+
+    def empty_page(self, x: mx.array, size: int):
+        dim, groups = x.shape[-1] * self.bits // 32, x.shape[-1] // self.group_size
+        return _zeros(x, size, (dim, mx.uint32), (groups, x.dtype), (groups, x.dtype))
+
+    def encode(self, x: mx.array):
+        x = rotate(x, self.rotation)
+        return tuple(mx.quantize(x, group_size=self.group_size, bits=self.bits))
+
+    def decode(self, page, dtype) -> mx.array:
+        x = mx.dequantize(*page, group_size=self.group_size, bits=self.bits)
+        return x.astype(dtype)
+
+
+@dataclass(frozen=True)
+class Plain:
+    """Unquantized, in the model's dtype: for measuring K-only or V-only error."""
+
+    rotation = "none"
+    rotated = False
+    spec = "plain"
+    parts = 1
+
+    def bits_per_element(self, dim: int) -> float:
+        return 16.0
+
+    def check_dim(self, dim: int):
+        pass
+
+    def dim(self, page) -> int:
+        return page[0].shape[-1]
+
+    def empty_page(self, x: mx.array, size: int):
+        return _zeros(x, size, (x.shape[-1], x.dtype))
+
+    def encode(self, x: mx.array):
+        return (x,)
+
+    def decode(self, page, dtype) -> mx.array:
+        return page[0].astype(dtype)
+
+
+def codec(spec) -> Codebook | Affine | Plain:
+    """A codec from itself, an int (codebook bits) or its ``spec`` string."""
+    if isinstance(spec, (Codebook, Affine, Plain)):
+        return spec
+    if isinstance(spec, int):
+        return Codebook(spec)
+    if spec == "plain":
+        return Plain()
+    match = re.fullmatch(r"codebook-(\d+)-(\w+)-(\w+)", spec)
+    if match:
+        return Codebook(int(match[1]), match[2], match[3])
+    match = re.fullmatch(r"affine-(\d+)-(\d+)-(\w+)", spec)
+    if match:
+        return Affine(int(match[1]), int(match[2]), match[3])
+    raise ValueError(f"Unknown KV codec {spec!r}.")
+
+
+# ---------------------------------------------------------------------------
+# Attention over encoded pages
+
+
+def codebook_scaled_dot_product_attention(
+    queries: mx.array,
+    key_pages: list,
+    value_pages: list,
+    key_codec,
+    value_codec,
+    scale: float,
+    mask,
+    sinks=None,
+    length=None,
+    tile=None,
+) -> mx.array:
+    """Attention of ``queries`` (B, n_q_heads, L, D) over the first ``length``
+    keys and values of the pages (all by default), ``tile`` keys at a time (by
+    default as many as keep the scores of a tile within mlx-lm's budget).
+
+    Tiles are decoded into the codecs' rotated domains; the queries are
+    rotated once and the output rotated back once. ``sinks`` (one logit per
+    query head) join every softmax as a key with no value."""
+    B, n_q_heads, L, _ = queries.shape
+    n_kv_heads = key_pages[0][0].shape[1]
+    if length is None:
+        length = sum(page[0].shape[2] for page in key_pages)
+    dtype = queries.dtype
+
+    queries = rotate(queries, key_codec.rotation)
+    queries = _fold_queries(queries * scale, n_kv_heads)
+    rows = queries.shape[2]
+    if sinks is None:
+        running_max = mx.full((B, n_kv_heads, rows, 1), -float("inf"), mx.float32)
+        running_sum = mx.zeros((B, n_kv_heads, rows, 1), mx.float32)
+    else:
+        sinks = mx.broadcast_to(sinks.astype(mx.float32)[:, None], (n_q_heads, L))
+        running_max = _fold_queries(sinks.reshape(1, n_q_heads, L, 1), n_kv_heads)
+        running_sum = mx.ones_like(running_max)
+    out = None
+    page_start = 0
+    for k_page, v_page in zip(key_pages, value_pages):
+        size = min(k_page[0].shape[2], length - page_start)
+        if size <= 0:
+            break
+        keys_per_tile = tile or _quantized_sdpa_tile(B * n_q_heads * L, size)
+        for start, new, stop in _quantized_sdpa_tiles(size, size, keys_per_tile):
+            keys = key_codec.decode([x[:, :, start:stop] for x in k_page], dtype)
+            scores = (queries @ keys.swapaxes(-1, -2)).astype(mx.float32)
+            tile_mask = _quantized_sdpa_tile_mask(
+                mask,
+                page_start + start,
+                page_start + new,
+                page_start + stop,
+                length,
+                L,
+                n_q_heads,
+                n_kv_heads,
+            )
+            if tile_mask is not None:
+                if tile_mask.dtype == mx.bool_:
+                    scores = mx.where(tile_mask, scores, -float("inf"))
+                else:
+                    scores = scores + tile_mask
+            new_max = mx.maximum(running_max, scores.max(axis=-1, keepdims=True))
+            # a row with no visible key yet keeps a zero correction, not NaN
+            safe_max = mx.where(new_max == -float("inf"), 0, new_max)
+            probs = mx.exp(scores - safe_max)
+            correction = mx.exp(running_max - safe_max)
+            running_sum = running_sum * correction + probs.sum(axis=-1, keepdims=True)
+            values = value_codec.decode([x[:, :, start:stop] for x in v_page], dtype)
+            tile_out = probs.astype(dtype) @ values
+            out = tile_out if out is None else out * correction + tile_out
+            running_max = new_max
+        page_start += k_page[0].shape[2]
+    out = out / mx.maximum(running_sum, 1e-30)
+    out = out.astype(dtype).reshape(B, n_q_heads, L, -1)
+    return rotate(out, value_codec.rotation, inverse=True)
+
+
+# ---------------------------------------------------------------------------
+# Caches
+
+
+class _CodebookKV(_PagedKV):
+    """Codecs, paging and attention shared by the single and batched caches.
+
+    ``keys`` and ``values`` are codecs, ints (codebook bits) or codec specs;
+    ``values`` defaults to the key codec."""
+
+    page_size = 4096
+
+    def _set_codecs(self, keys, values=None, page_size=None):
+        self.key_codec = codec(keys)
+        self.value_codec = codec(keys if values is None else values)
+        self.page_size = int(page_size or type(self).page_size)
+
+    def _settings(self) -> dict:
+        """What caches must share to be batched (the page size need not)."""
+        return {"keys": self.key_codec, "values": self.value_codec}
+
+    @property
+    def bits_per_element(self):
+        """(key, value) bits per element for this cache's head dims, norms,
+        scales and biases included; None before the first tokens."""
+        if not self.key_pages:
+            return None
+        return tuple(
+            c.bits_per_element(c.dim(pages[0]))
+            for c, pages in (
+                (self.key_codec, self.key_pages),
+                (self.value_codec, self.value_pages),
+            )
+        )
+
+    def _add_page(self, keys, values, size):
+        self.key_pages.append(self.key_codec.empty_page(keys, size))
+        self.value_pages.append(self.value_codec.empty_page(values, size))
+
+    def _quantize(self, keys, values):
+        return self.key_codec.encode(keys), self.value_codec.encode(values)
+
+    def _check_dims(self, keys, values):
+        self.key_codec.check_dim(keys.shape[-1])
+        self.value_codec.check_dim(values.shape[-1])
+
+    def _length(self) -> int:
+        raise NotImplementedError
+
+    def _stored(self):
+        """The stored tuples of keys and values up to the length (one page)."""
+        return tuple(
+            tuple(x[..., : self._length(), :] for x in self._joined(pages))
+            for pages in (self.key_pages, self.value_pages)
+        )
+
+    def keys_and_values(self):
+        """The encoded keys and values as one tuple each (a copy when the cache
+        has more than one page)."""
+        return self._stored()
+
+    def dequantize(self, dtype=mx.float32):
+        """The keys and values the cache holds, decoded and rotated back."""
+        keys, values = self._stored()
+        keys = self.key_codec.decode(keys, dtype)
+        values = self.value_codec.decode(values, dtype)
+        return (
+            rotate(keys, self.key_codec.rotation, inverse=True),
+            rotate(values, self.value_codec.rotation, inverse=True),
+        )
+
+    def scaled_dot_product_attention(
+        self, queries, keys, values, scale, mask, sinks=None
+    ):
+        return codebook_scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            self.key_codec,
+            self.value_codec,
+            scale=scale,
+            mask=mask,
+            sinks=sinks,
+            length=self._length(),
+        )
+
+    def _pages_in(self, keys, values, length: int):
+        """Key and value pages from a state, checked against the codecs and
+        ``length`` (the tokens they must hold), or a ValueError."""
+        key_pages = self._pages_from_state(keys)
+        value_pages = self._pages_from_state(values)
+        for c, pages in ((self.key_codec, key_pages), (self.value_codec, value_pages)):
+            if any(len(page) != c.parts for page in pages):
+                raise ValueError(f"Cache state does not hold {c.spec} pages.")
+        shapes = [
+            (k[0].shape[:3], v[0].shape[:3]) for k, v in zip(key_pages, value_pages)
+        ]
+        if len(key_pages) != len(value_pages) or any(a != b for a, b in shapes):
+            raise ValueError("Cache state has keys and values of different shapes.")
+        if sum(page[0].shape[2] for page in key_pages) < length:
+            raise ValueError("Cache state holds fewer tokens than its offset.")
+        return key_pages, value_pages
+
+    @property
+    def nbytes(self):
+        return self._pages_nbytes
+
+    def empty(self):
+        return not self.key_pages
+
+    def is_trimmable(self):
+        return True
+
+
+@register_cache_class
+class CodebookKVCache(_CodebookKV, _BaseCache):
+    """A KV cache of codebook-quantized keys and values, in pages.
+
+    ``keys``/``values``: a ``Codebook``, ``Affine`` or ``Plain`` codec, an int
+    (codebook bits, default rotation) or a codec spec; ``values`` defaults to
+    the key codec. E.g. ``CodebookKVCache(3)`` or ``CodebookKVCache(3, 4)``.
+    """
+
+    def __init__(self, keys=3, values=None, page_size=None):
+        self.key_pages = []
+        self.value_pages = []
+        self.offset = 0
+        self._set_codecs(keys, values, page_size)
+
+    def _length(self):
+        return self.offset
+
+    def update_and_fetch(self, keys, values):
+        if self.empty():
+            self._check_dims(keys, values)
+        self._write_pages(keys, values, self.offset, self.page_size)
+        self.offset += keys.shape[2]
+        return self.key_pages, self.value_pages
+
+    def size(self):
+        return self.offset
+
+    def trim(self, n):
+        n = min(self.offset, n)
+        self.offset -= n
+        return n
+
+    def make_mask(self, *args, **kwargs):
+        return create_attention_mask(*args, offset=self.offset, **kwargs)
+
+    @property
+    def state(self):
+        return (
+            self._pages_state(self.key_pages),
+            self._pages_state(self.value_pages),
+            self.offset,
+            self.key_codec.spec,
+            self.value_codec.spec,
+            self.page_size,
+        )
+
+    @state.setter
+    def state(self, v):
+        keys, values, offset, key_spec, value_spec, page_size = v
+        self._set_codecs(key_spec, value_spec, page_size)
+        self.key_pages, self.value_pages = self._pages_in(keys, values, offset)
+        self.offset = int(offset)
+
+    @classmethod
+    def merge(cls, caches):
+        return BatchCodebookKVCache.merge(caches)
+
+
+@register_cache_class
+class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
+    """``CodebookKVCache`` for a batch of left-padded sequences, as mlx-lm's
+    ``BatchQuantizedKVCache``: ``merge`` (of ``CodebookKVCache``), ``filter``,
+    ``extend``, ``extract``, ``prepare`` and ``finalize`` move packed indices
+    and norms, never decoding them."""
+
+    def __init__(self, left_padding, keys=3, values=None, page_size=None):
+        super().__init__(left_padding)
+        self.key_pages = []
+        self.value_pages = []
+        self._set_codecs(keys, values, page_size)
+
+    def _length(self):
+        return self._idx
+
+    def _set_pages(self, keys, values):
+        self.key_pages, self.value_pages = [keys], [values]
+
+    def update_and_fetch(self, keys, values):
+        if self.empty():
+            self._check_dims(keys, values)
+        self._write_pages(keys, values, self._idx, self.page_size)
+        self.offset = self.offset + keys.shape[2]
+        self._idx += keys.shape[2]
+        return self.key_pages, self.value_pages
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None and not self.empty():
+            raise ValueError("Left padding can only be added to an empty cache.")
+        super().prepare(
+            left_padding=left_padding, lengths=lengths, right_padding=right_padding
+        )
+
+    def finalize(self):
+        """Move right-padded prompts to the right end (once, after prefill)."""
+        if self._right_padding is None:
+            return
+        shift = self._right_padding[:, None]
+        rolled = (
+            tuple(dynamic_roll(x, shift, axis=2) for x in self._joined(pages))
+            for pages in (self.key_pages, self.value_pages)
+        )
+        self._set_pages(*rolled)
+        self.offset = self.offset - self._right_padding
+        self.left_padding = self.left_padding + self._right_padding
+        self._right_padding = None
+
+    @property
+    def state(self):
+        return (
+            self._pages_state(self.key_pages),
+            self._pages_state(self.value_pages),
+            self.offset,
+            self.left_padding,
+            self._idx,
+            self.key_codec.spec,
+            self.value_codec.spec,
+            self.page_size,
+        )
+
+    @state.setter
+    def state(self, v):
+        keys, values, offset, left_padding, idx, key_spec, value_spec, page_size = v
+        self._set_codecs(key_spec, value_spec, page_size)
+        self.key_pages, self.value_pages = self._pages_in(keys, values, idx)
+        self.offset, self.left_padding, self._idx = offset, left_padding, int(idx)
+        self._right_padding = None
+
+    def filter(self, batch_indices):
+        """Keep the sequences ``batch_indices``, dropping left padding that all
+        of them share (whole pages of it, and a view into the first page)."""
+        for pages in (self.key_pages, self.value_pages):
+            pages[:] = [tuple(x[batch_indices] for x in page) for page in pages]
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        shared = min(self.left_padding.tolist())
+        if shared <= 0:
+            return
+        for pages in (self.key_pages, self.value_pages):
+            skip = shared
+            while pages and pages[0][0].shape[2] <= skip:
+                skip -= pages.pop(0)[0].shape[2]
+            if skip:
+                pages[0] = tuple(x[:, :, skip:] for x in pages[0])
+        self._idx -= shared
+        self.left_padding = self.left_padding - shared
+
+    def _padded(self, idx: int, size: int, like):
+        """Key and value tuples of ``size`` rows with this cache's tokens ending
+        at row ``idx`` (zeros shaped like ``like`` when the cache is empty)."""
+        if self.empty():
+            B = self.offset.shape[0]
+            return tuple(
+                tuple(mx.zeros((B, x.shape[1], size, x.shape[3]), x.dtype) for x in t)
+                for t in like
+            )
+        left = idx - self._idx
+
+        def justify(x):
+            x = x[:, :, : size - left]
+            return mx.pad(x, [(0, 0), (0, 0), (left, size - left - x.shape[2]), (0, 0)])
+
+        return tuple(
+            tuple(map(justify, self._joined(pages)))
+            for pages in (self.key_pages, self.value_pages)
+        )
+
+    def extend(self, other):
+        """Append the sequences of ``other`` (a cache of the same codecs)."""
+        if self._settings() != other._settings():
+            raise ValueError(
+                "Cannot batch codebook caches with different settings: "
+                f"{self._settings()} and {other._settings()}"
+            )
+        if self.empty() and other.empty():
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            return
+        idx = max(self._idx, other._idx)
+        size = max(self.capacity, other.capacity)
+        like = (other if self.empty() else self)._stored()
+        (k1, v1), (k2, v2) = (c._padded(idx, size, like) for c in (self, other))
+        self._set_pages(
+            tuple(mx.concatenate(x, axis=0) for x in zip(k1, k2)),
+            tuple(mx.concatenate(x, axis=0) for x in zip(v1, v2)),
+        )
+        self.left_padding = mx.concatenate(
+            [c.left_padding + idx - c._idx for c in (self, other)]
+        )
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = idx
+
+    def extract(self, idx):
+        """Sequence ``idx`` as a ``CodebookKVCache`` (a copy, padding dropped)."""
+        cache = CodebookKVCache(**self._settings(), page_size=self.page_size)
+        padding = self.left_padding.tolist()[idx]
+        keys, values = self._stored()
+        cache.key_pages, cache.value_pages = (
+            [tuple(mx.contiguous(x[idx : idx + 1, :, padding:]) for x in stored)]
+            for stored in (keys, values)
+        )
+        cache.offset = self._idx - padding
+        return cache
+
+    @classmethod
+    def merge(cls, caches):
+        """One batch of ``CodebookKVCache``s, left-padded to the longest."""
+        settings = [c._settings() for c in caches]
+        if any(s != settings[0] for s in settings):
+            raise ValueError(
+                f"Cannot batch codebook caches with different settings: {settings}"
+            )
+        lengths = [c.offset for c in caches]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        batch = cls(padding, **settings[0], page_size=caches[0].page_size)
+        if longest == 0:
+            return batch
+        stored = [c._stored() if c.offset else None for c in caches]
+        like = next(s for s in stored if s is not None)
+        merged = tuple(
+            tuple(
+                mx.zeros((len(caches), x.shape[1], longest, x.shape[3]), x.dtype)
+                for x in part
+            )
+            for part in like
+        )
+        for i, (p, s) in enumerate(zip(padding, stored)):
+            for rows, part in zip(merged, s or ()):
+                for dst, x in zip(rows, part):
+                    dst[i : i + 1, :, p:] = x
+        batch._set_pages(*merged)
+        batch.offset = batch.offset + longest
+        batch._idx = longest
+        return batch
+
+    def size(self):
+        return self._idx
+
+
+# ---------------------------------------------------------------------------
+# Evaluation schemes
+
+# head dim at which a scheme's nominal bits per element are given (the norm's
+# 16 bits are shared by D elements); the eval reports the stored bits too
+NOMINAL_HEAD_DIM = 128
+
+CODEBOOK_SCHEME = (
+    r"codebook-(?P<key_bits>\d+)(k-(?P<affine>a?)(?P<value_bits>\d+)v)?"
+    r"(-(?P<rotation>hadamard|givens|none))?(-(?P<norm>dot|length|plain))?"
+)
+
+
+def scheme_codecs(key_bits, value_bits=None, affine="", rotation=None, norm=None):
+    """The (key, value) codecs of a ``codebook-...`` scheme name's parts: 16
+    bits is ``Plain``; ``affine`` makes the values affine (group size 64)."""
+    rotation, norm = rotation or "hadamard", norm or "dot"
+
+    def one(bits, is_affine=False):
+        bits = int(bits)
+        if bits == 16:
+            return Plain()
+        if is_affine:
+            return Affine(bits, 64, rotation)
+        return Codebook(bits, rotation, norm)
+
+    keys = one(key_bits)
+    values = keys if value_bits is None else one(value_bits, bool(affine))
+    return keys, values
+
+
+def register_schemes():
+    """Register the ``codebook-...`` schemes with ``omlx_cache.schemes``."""
+    from . import schemes
+
+    @schemes.register(
+        CODEBOOK_SCHEME,
+        syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none]",
+        help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
+        "(-givens: PlanarQuant pairs) plus a float16 norm per vector; Kk-Vv: K and V "
+        "bits (16 = unquantized), aV: affine V (Hadamard, group 64)",
+    )
+    def codebook(name, group_size, key_bits, value_bits, affine, rotation, norm):
+        keys, values = scheme_codecs(key_bits, value_bits, affine, rotation, norm)
+
+        def make_cache(model):
+            layers = schemes.plain_layers(model)
+            return [CodebookKVCache(keys, values) for _ in range(layers)]
+
+        bits = (c.bits_per_element(NOMINAL_HEAD_DIM) for c in (keys, values))
+        return schemes.Scheme(name, make_cache, bits_per_element=tuple(bits))
+
+
+register_schemes()
