@@ -124,3 +124,12 @@ def test_tiles_cover_each_key_once_and_stay_aligned(page_size, length, tile):
         seen.extend(range(new, stop))
     assert seen[: min(length, page_size)] == list(range(min(length, page_size)))
     assert len(set(seen)) == len(seen)
+
+
+def test_tiles_stop_near_the_stored_keys():
+    # a part-filled page costs what it holds, rounded up to 64 keys
+    assert list(base._quantized_sdpa_tiles(4096, 100, 4096)) == [(0, 0, 128)]
+    assert list(base._quantized_sdpa_tiles(4096, 128, 64)) == [
+        (0, 0, 64),
+        (64, 64, 128),
+    ]
