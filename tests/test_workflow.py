@@ -1,0 +1,96 @@
+"""The vendor and patch-series scripts on a scratch copy of the project.
+
+Uses the sdist that `make vendor` keeps in vendor/.cache (no download).
+"""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PIN = dict(
+    line.split("=", 1)
+    for line in (ROOT / "vendor/mlx-lm.pin").read_text().splitlines()
+    if "=" in line and not line.startswith("#")
+)
+
+
+@pytest.fixture
+def project(tmp_path):
+    sdist = ROOT / "vendor/.cache" / PIN["file"]
+    if not sdist.exists():
+        subprocess.run([ROOT / "scripts/vendor.sh"], check=True)
+    shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
+    shutil.copytree(ROOT / "patches", tmp_path / "patches")
+    (tmp_path / "vendor/.cache").mkdir(parents=True)
+    shutil.copy(ROOT / "vendor/mlx-lm.pin", tmp_path / "vendor")
+    shutil.copy(sdist, tmp_path / "vendor/.cache")
+    return tmp_path
+
+
+def run(project, *args):
+    return subprocess.run(
+        [str(project / "scripts" / args[0]), *args[1:]],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+
+
+def git(tree, *args):
+    return subprocess.run(
+        ["git", "-C", str(tree), *args], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def test_hash_mismatch_is_a_clear_error(project):
+    pin = project / "vendor/mlx-lm.pin"
+    pin.write_text(pin.read_text().replace(PIN["sha256"], "0" * 64))
+    result = run(project, "vendor.sh")
+    assert result.returncode != 0
+    assert "sha256 mismatch" in result.stderr
+    assert not (project / "vendor/mlx-lm").exists()
+
+
+def test_series_applies_one_commit_per_patch(project):
+    result = run(project, "patches.sh", "apply")
+    assert result.returncode == 0, result.stderr
+    names = (project / "patches/series").read_text().split()
+    log = git(project / "vendor/mlx-lm", "log", "--format=%s", "upstream..HEAD")
+    assert len(log.splitlines()) == len(names)
+    # applying again is idempotent
+    head = git(project / "vendor/mlx-lm", "rev-parse", "HEAD^{tree}")
+    assert run(project, "patches.sh", "apply").returncode == 0
+    assert git(project / "vendor/mlx-lm", "rev-parse", "HEAD^{tree}") == head
+
+
+def test_patch_that_does_not_apply_leaves_the_tree_pristine(project):
+    names = (project / "patches/series").read_text().split()
+    broken = project / "patches" / names[-1]
+    header, diff = broken.read_text().split("\ndiff --git", 1)
+    # context lines that are not in the file any more
+    broken.write_text(header + "\ndiff --git" + diff.replace("\n ", "\n #", 5))
+    result = run(project, "patches.sh", "apply")
+    assert result.returncode != 0
+    assert f"{names[-1]} does not apply" in result.stderr
+    tree = project / "vendor/mlx-lm"
+    assert git(tree, "rev-parse", "HEAD") == git(tree, "rev-parse", "upstream")
+    assert git(tree, "status", "--porcelain") == ""
+
+
+def test_empty_series_and_refresh(project):
+    (project / "patches/series").write_text("")
+    assert run(project, "patches.sh", "apply").returncode == 0
+    tree = project / "vendor/mlx-lm"
+    assert git(tree, "rev-parse", "HEAD") == git(tree, "rev-parse", "upstream")
+    # a commit on top becomes a patch file listed in series
+    (tree / "NOTE.txt").write_text("a change\n")
+    git(tree, "add", "NOTE.txt")
+    git(tree, "commit", "-q", "-m", "Add a note")
+    assert run(project, "patches.sh", "refresh").returncode == 0
+    assert (project / "patches/series").read_text().split() == ["0001-Add-a-note.patch"]
+    assert run(project, "patches.sh", "unapply").returncode == 0
+    assert not (tree / "NOTE.txt").exists()
