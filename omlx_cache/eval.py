@@ -518,6 +518,8 @@ def main(argv=None) -> dict:
     schemes = resolve_schemes(args.kv or DEFAULT_SCHEMES, args.kv_group_size)
     text = read_text(args.text)
     model, tokenizer = load_model(args.model)
+    # the code as imported now, whatever changes on disk during the run
+    run_versions = versions()
     tokens = encode(tokenizer, text)
     windows = make_windows(
         tokens, args.windows, args.window_tokens, tokenizer.bos_token_id
@@ -545,7 +547,7 @@ def main(argv=None) -> dict:
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "ld_preload": os.environ.get("LD_PRELOAD"),
-        "versions": versions(),
+        "versions": run_versions,
         "wall_seconds": wall,
         "results": results,
     }
