@@ -12,6 +12,9 @@ else
 MODEL ?= models/SmolLM2-135M-Instruct-f32
 endif
 SERVE_ARGS ?=
+# Debian's OpenBLAS instead of the reference BLAS bundled in mlx-cpu, when it is installed
+OPENBLAS := $(wildcard /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0)
+RUN := $(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS) )
 HOST ?= 127.0.0.1
 PORT ?= 8080
 VERSION ?=
@@ -56,7 +59,7 @@ standin:
 
 serve: $(MODEL)/config.json
 	mkdir -p models/hub
-	HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath models/hub) $(PY) -m mlx_lm.server --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	$(RUN)HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath models/hub) $(PY) -m mlx_lm.server --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 $(MODEL)/config.json:
 	$(MAKE) models
@@ -66,13 +69,13 @@ EVAL_ARGS ?=
 BENCH_ARGS ?=
 
 eval: $(EVAL_MODEL)/config.json
-	$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out docs/eval-smollm2.json $(EVAL_ARGS)
+	$(RUN)$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out docs/eval-smollm2.json $(EVAL_ARGS)
 
 $(EVAL_MODEL)/config.json:
 	$(MAKE) models
 
 bench:
-	$(PY) -m omlx_cache.bench --out docs/bench-cpu.json --plot-dir docs $(BENCH_ARGS)
+	$(RUN)$(PY) -m omlx_cache.bench --out docs/bench-cpu.json --plot-dir docs $(BENCH_ARGS)
 
 check-series: standin
 	scripts/check_series.sh

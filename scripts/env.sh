@@ -18,6 +18,14 @@ case "$backend" in
     cpu | cuda12 | cuda13) mlx_req="mlx[$backend]==$mlx_version" ;;
     *) echo "env: MLX_BACKEND must be cpu, cuda12, cuda13 or metal (got '$backend')" >&2; exit 2 ;;
 esac
+# The mlx-cpu wheel bundles the reference BLAS (a 511-token SmolLM2 forward: 60-80 s); Debian's
+# OpenBLAS, preloaded by the Makefile's eval/bench/serve targets, does it in 4 s. Best effort.
+if [ "$backend" = cpu ] && [ ! -e /usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 ] \
+    && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 ||
+        { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1; }) ||
+        echo "env: could not install libopenblas0-pthread (optional: faster CPU runs)" >&2
+fi
 stamp="$venv/.omlx-installed"
 want="$(cat requirements.txt pyproject.toml vendor/mlx-lm.pin) $mlx_req"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
