@@ -61,7 +61,7 @@ serve: $(MODEL)/config.json
 	mkdir -p models/hub
 	$(RUN)HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath models/hub) $(PY) -m mlx_lm.server --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
-$(MODEL)/config.json:
+models/%/config.json:
 	$(MAKE) models
 
 EVAL_MODEL ?= models/SmolLM2-135M-Instruct-f32
@@ -70,9 +70,6 @@ BENCH_ARGS ?=
 
 eval: $(EVAL_MODEL)/config.json
 	$(RUN)$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out docs/eval-smollm2.json $(EVAL_ARGS)
-
-$(EVAL_MODEL)/config.json:
-	$(MAKE) models
 
 bench:
 	$(RUN)$(PY) -m omlx_cache.bench --out docs/bench-cpu.json --plot-dir docs $(BENCH_ARGS)
