@@ -405,7 +405,7 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
     mx.eval(prompt, steps)
     budget = opts.case_budget or math.inf
     after_call = converter(scheme, opts.kv_group_size)
-    row = case_row(scheme, context, sweep, opts.fill)
+    row = case_row(scheme, context, sweep, opts)
 
     with page_size(scheme.page_size):
         cache = make_cache(
@@ -544,8 +544,14 @@ def probe(n_kv_heads: int = 8, head_dim: int = 128, tile: int = 256) -> list[dic
 # --- the run -----------------------------------------------------------------
 
 
-def case_row(scheme: Scheme, context: int, sweep: bool, fill: str) -> dict:
-    return {"context": context, "scheme": scheme.name, "sweep": sweep, "fill": fill}
+def case_row(scheme: Scheme, context: int, sweep: bool, opts) -> dict:
+    return {
+        "context": context,
+        "scheme": scheme.name,
+        "sweep": sweep,
+        "fill": opts.fill,
+        "prefill_step": opts.prefill_step,
+    }
 
 
 class Runner:
@@ -586,11 +592,11 @@ class Runner:
         self.over_budget.clear()
         fill = self.setup.options.fill
         for scheme in [parse_scheme("fp16")] + schemes if schemes else []:
-            if not find(self.report["rows"], context, scheme.name, fill):
+            if not find(self.report["rows"], context, scheme.name, fill=fill):
                 self.run(scheme, context, sweep=scheme.kind != "fp")
 
     def run(self, scheme: Scheme, context: int, sweep: bool = False):
-        row = case_row(scheme, context, sweep, self.setup.options.fill)
+        row = case_row(scheme, context, sweep, self.setup.options)
         reason = self.skip_reason(scheme)
         if reason:
             row["skipped"] = reason
@@ -611,7 +617,7 @@ class Runner:
             # a hung kernel cannot be interrupted: end the process, whose JSON
             # already names the running case
             faulthandler.dump_traceback_later(timeout, exit=True)
-        row = case_row(scheme, context, sweep, self.setup.options.fill)
+        row = case_row(scheme, context, sweep, self.setup.options)
         try:
             return run_case(self.setup, scheme, context, sweep)
         except BudgetExceeded as e:
@@ -788,13 +794,22 @@ def ok(row: dict | None, key: str = "peak_bytes") -> bool:
     return row is not None and key in row
 
 
+def row_fill(row: dict) -> tuple[str, int | None]:
+    """How the row's cache was filled: the fill and its step in tokens."""
+    return row.get("fill", "prefill"), row.get("prefill_step")
+
+
 def row_key(row: dict) -> tuple:
-    return row["context"], row["scheme"], row.get("fill", "prefill")
+    return row["context"], row["scheme"], *row_fill(row)
 
 
-def find(rows, context, scheme, fill="prefill"):
+def find(rows, context, scheme, fill="prefill", step=None):
+    """The row of (context, scheme) filled so (any step when ``step`` is None)."""
     for row in rows:
-        if row_key(row) == (context, scheme, fill):
+        row_fill_, row_step = row_fill(row)
+        if (row["context"], row["scheme"], row_fill_) != (context, scheme, fill):
+            continue
+        if step is None or row_step == step:
             return row
     return None
 
@@ -830,9 +845,10 @@ def markdown_table(rows: list[dict], weights_bytes: int, everything=None) -> lis
             note = (row.get("error") or row.get("skipped", "")).replace("|", "/")
             lines.append(f"{head} {note[:120]} |" + " |" * 9)
             continue
-        key = row["context"], row.get("fill", "prefill")
-        fp = find(everything, key[0], "fp16", key[1])
-        up = find(everything, key[0], parse_scheme(row["scheme"]).counterpart, key[1])
+        fill, step = row_fill(row)
+        counterpart = parse_scheme(row["scheme"]).counterpart
+        fp = find(everything, row["context"], "fp16", fill, step)
+        up = find(everything, row["context"], counterpart, fill, step)
         decode = f"{row['decode_tok_s']:.1f}" if ok(row, "decode_tok_s") else "error"
         errors = [row.get(f"{k}_logits_rel_err") for k in ("prefill", "decode")]
         errors = ", ".join("—" if e is None else f"{e:.3g}" for e in errors)
@@ -853,14 +869,15 @@ def floor_table(rows: list[dict]) -> list[str]:
         return []
     lines = [
         (
-            "| context | scheme | decode ms | KV floor ms | weights + KV floor ms "
-            "| decode / floor |"
+            "| context | scheme | fill, step | decode ms | KV floor ms "
+            "| weights + KV floor ms | decode / floor |"
         ),
-        "|---:|---|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|",
     ]
     for r in rows:
+        fill = "{}, {}".format(*row_fill(r))
         lines.append(
-            f"| {r['context']} | {r['scheme']} | {r['decode_ms_median']:.2f} "
+            f"| {r['context']} | {r['scheme']} | {fill} | {r['decode_ms_median']:.2f} "
             f"| {r['kv_floor_ms']:.3f} | {r['floor_ms']:.3f} "
             f"| {r['decode_ms_median'] / r['floor_ms']:.2f} |"
         )
@@ -881,11 +898,10 @@ def report_markdown(report: dict) -> str:
         f"bench {preset['name']} ({preset['dtype']}) on {device}, "
         + f"{report['date']}, mlx {report['versions']['mlx']}"
     ]
-    for fill, title in FILLS.items():
-        rows = [r for r in report["rows"] if r.get("fill", "prefill") == fill]
-        if rows:
-            lines += ["", f"Cache filled by {title}", ""]
-            lines += fill_tables(rows, report["weights_bytes"])
+    for fill, step in sorted({row_fill(r) for r in report["rows"]}, key=str):
+        rows = [r for r in report["rows"] if row_fill(r) == (fill, step)]
+        lines += ["", f"Cache filled by {FILLS[fill]}, {step}-token steps", ""]
+        lines += fill_tables(rows, report["weights_bytes"])
     floors = floor_table(report["rows"])
     if floors:
         lines += ["", f"Bandwidth floor ({report['args']['bandwidth_gbs']:g} GB/s)", ""]
@@ -944,13 +960,17 @@ def plot(report: dict, plot_dir, prefix: str) -> list[str]:
         if not selected:
             continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for scheme in dict.fromkeys(r["scheme"] for r in selected):
+        steps = {r.get("prefill_step") for r in selected}
+        for line in dict.fromkeys(
+            (r["scheme"], r.get("prefill_step")) for r in selected
+        ):
             points = [
                 (r["context"], r[key] / scale)
                 for r in selected
-                if r["scheme"] == scheme
+                if (r["scheme"], r.get("prefill_step")) == line
             ]
-            ax.plot(*zip(*points), marker="o", label=scheme)
+            label_ = line[0] if len(steps) < 2 else f"{line[0]}, step {line[1]}"
+            ax.plot(*zip(*points), marker="o", label=label_)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel(label)
@@ -974,7 +994,15 @@ def merge(paths: list[str]) -> dict:
     rows = {}
     for report in reports:
         for row in report["rows"]:
+            # a case its run's deadline skipped measured nothing
+            if "deadline" in row.get("skipped", ""):
+                continue
+            row.setdefault("fill", report["args"].get("fill", "prefill"))
+            row.setdefault("prefill_step", report["args"]["prefill_step"])
             rows[row_key(row)] = row
+        for key in ("probe", "warmup_errors"):
+            if key in report and key not in merged:
+                merged[key] = report[key]
     merged["rows"] = sorted(
         rows.values(), key=lambda r: (r.get("fill", ""), r["sweep"], r["context"])
     )
