@@ -89,11 +89,6 @@ def test_our_peak_below_upstream(run):
     assert ours["workspace_bytes"] < upstream["workspace_bytes"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="one lazy evaluation keeps every tile's temporaries alive until the "
-    "end (docs/results.md, Speed and memory): the workspace grows with the keys",
-)
 def test_our_workspace_does_not_grow(run):
     report, _ = run
     small = row(report, 512, "4")["workspace_bytes"]
