@@ -38,6 +38,7 @@ from mlx_lm.models.cache import (
     BatchKVCache,
     _BaseCache,
     _PagedKV,
+    check_kv_quantization,
     create_attention_mask,
     dynamic_roll,
     kv_rotate,
@@ -244,8 +245,8 @@ class Codebook:
     parts = 2  # arrays per page: packed indices, norms
 
     def __post_init__(self):
-        if not 1 <= self.bits <= 8:
-            raise ValueError(f"Codebook bits must be 1 to 8, got {self.bits}.")
+        if not 1 <= self.bits <= 6:
+            raise ValueError(f"Codebook bits must be 1 to 6, got {self.bits}.")
         _check_rotation(self.rotation)
         if self.norm not in NORMS:
             raise ValueError(f"Unknown norm {self.norm!r}; one of {NORMS}.")
@@ -253,10 +254,6 @@ class Codebook:
     @property
     def spec(self) -> str:
         return f"codebook-{self.bits}-{self.rotation}-{self.norm}"
-
-    @property
-    def rotated(self) -> bool:
-        return self.rotation != "none"
 
     def bits_per_element(self, dim: int) -> float:
         return self.bits + NORM_BITS / dim
@@ -310,15 +307,12 @@ class Affine:
     parts = 3  # arrays per page: packed, scales, biases
 
     def __post_init__(self):
+        check_kv_quantization(self.group_size, self.bits)
         _check_rotation(self.rotation)
 
     @property
     def spec(self) -> str:
         return f"affine-{self.bits}-{self.group_size}-{self.rotation}"
-
-    @property
-    def rotated(self) -> bool:
-        return self.rotation != "none"
 
     def bits_per_element(self, dim: int) -> float:
         return self.bits + 2 * NORM_BITS / self.group_size
@@ -348,7 +342,6 @@ class Plain:
     """Unquantized, in the model's dtype: for measuring K-only or V-only error."""
 
     rotation = "none"
-    rotated = False
     spec = "plain"
     parts = 1
 
@@ -460,7 +453,10 @@ def codebook_scaled_dot_product_attention(
             running_sum = running_sum * correction + probs.sum(axis=-1, keepdims=True)
             values = value_codec.decode([x[:, :, start:stop] for x in v_page], dtype)
             tile_out = probs.astype(dtype) @ values
-            out = tile_out if out is None else out * correction + tile_out
+            if out is None:
+                out = tile_out.astype(mx.float32)
+            else:
+                out = out * correction + tile_out
             running_max = new_max
         page_start += k_page[0].shape[2]
     out = out / mx.maximum(running_sum, 1e-30)
@@ -517,21 +513,17 @@ class _CodebookKV(_PagedKV):
     def _length(self) -> int:
         raise NotImplementedError
 
-    def _stored(self):
-        """The stored tuples of keys and values up to the length (one page)."""
+    def keys_and_values(self):
+        """The encoded keys and values up to the length, as one tuple each (a
+        copy when the cache has more than one page)."""
         return tuple(
             tuple(x[..., : self._length(), :] for x in self._joined(pages))
             for pages in (self.key_pages, self.value_pages)
         )
 
-    def keys_and_values(self):
-        """The encoded keys and values as one tuple each (a copy when the cache
-        has more than one page)."""
-        return self._stored()
-
     def dequantize(self, dtype=mx.float32):
         """The keys and values the cache holds, decoded and rotated back."""
-        keys, values = self._stored()
+        keys, values = self.keys_and_values()
         keys = self.key_codec.decode(keys, dtype)
         values = self.value_codec.decode(values, dtype)
         return (
@@ -554,12 +546,14 @@ class _CodebookKV(_PagedKV):
             length=self._length(),
         )
 
-    def _pages_in(self, keys, values, length: int):
-        """Key and value pages from a state, checked against the codecs and
-        ``length`` (the tokens they must hold), or a ValueError."""
+    def _set_state(self, keys, values, length: int, key_spec, value_spec, page_size):
+        """Set pages and codecs from a state after checking that the pages fit
+        the codecs and hold ``length`` tokens (else a ValueError, and the
+        cache is left as it was)."""
+        key_codec, value_codec = codec(key_spec), codec(value_spec)
         key_pages = self._pages_from_state(keys)
         value_pages = self._pages_from_state(values)
-        for c, pages in ((self.key_codec, key_pages), (self.value_codec, value_pages)):
+        for c, pages in ((key_codec, key_pages), (value_codec, value_pages)):
             if any(len(page) != c.parts for page in pages):
                 raise ValueError(f"Cache state does not hold {c.spec} pages.")
         shapes = [
@@ -569,7 +563,8 @@ class _CodebookKV(_PagedKV):
             raise ValueError("Cache state has keys and values of different shapes.")
         if sum(page[0].shape[2] for page in key_pages) < length:
             raise ValueError("Cache state holds fewer tokens than its offset.")
-        return key_pages, value_pages
+        self._set_codecs(key_codec, value_codec, page_size)
+        self.key_pages, self.value_pages = key_pages, value_pages
 
     @property
     def nbytes(self):
@@ -631,9 +626,8 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
 
     @state.setter
     def state(self, v):
-        keys, values, offset, key_spec, value_spec, page_size = v
-        self._set_codecs(key_spec, value_spec, page_size)
-        self.key_pages, self.value_pages = self._pages_in(keys, values, offset)
+        keys, values, offset, *settings = v
+        self._set_state(keys, values, offset, *settings)
         self.offset = int(offset)
 
     @classmethod
@@ -704,9 +698,8 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
 
     @state.setter
     def state(self, v):
-        keys, values, offset, left_padding, idx, key_spec, value_spec, page_size = v
-        self._set_codecs(key_spec, value_spec, page_size)
-        self.key_pages, self.value_pages = self._pages_in(keys, values, idx)
+        keys, values, offset, left_padding, idx, *settings = v
+        self._set_state(keys, values, idx, *settings)
         self.offset, self.left_padding, self._idx = offset, left_padding, int(idx)
         self._right_padding = None
 
@@ -762,7 +755,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
             return
         idx = max(self._idx, other._idx)
         size = max(self.capacity, other.capacity)
-        like = (other if self.empty() else self)._stored()
+        like = (other if self.empty() else self).keys_and_values()
         (k1, v1), (k2, v2) = (c._padded(idx, size, like) for c in (self, other))
         self._set_pages(
             tuple(mx.concatenate(x, axis=0) for x in zip(k1, k2)),
@@ -778,7 +771,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         """Sequence ``idx`` as a ``CodebookKVCache`` (a copy, padding dropped)."""
         cache = CodebookKVCache(**self._settings(), page_size=self.page_size)
         padding = self.left_padding.tolist()[idx]
-        keys, values = self._stored()
+        keys, values = self.keys_and_values()
         cache.key_pages, cache.value_pages = (
             [tuple(mx.contiguous(x[idx : idx + 1, :, padding:]) for x in stored)]
             for stored in (keys, values)
@@ -800,7 +793,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         batch = cls(padding, **settings[0], page_size=caches[0].page_size)
         if longest == 0:
             return batch
-        stored = [c._stored() if c.offset else None for c in caches]
+        stored = [c.keys_and_values() if c.offset else None for c in caches]
         like = next(s for s in stored if s is not None)
         merged = tuple(
             tuple(

@@ -295,6 +295,10 @@ def test_inconsistent_state_is_rejected():
     for state in bad:
         with pytest.raises(ValueError):
             CodebookKVCache.from_state(state)
+        with pytest.raises(ValueError):
+            cache.state = state
+        # a rejected state leaves the cache as it was
+        assert cache.key_codec == Codebook(3) and cache.offset == 20
 
 
 # ---------------------------------------------------------------------------
