@@ -28,6 +28,7 @@ from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models import base
 from mlx_lm.models.base import (
     _fold_queries,
     _quantized_sdpa_tile,
@@ -413,14 +414,23 @@ def codebook_scaled_dot_product_attention(
     queries = rotate(queries, key_codec.rotation)
     queries = _fold_queries(queries * scale, n_kv_heads)
     rows = queries.shape[2]
+    # the output and, in its last column, the softmax's running sum: one
+    # chain of results, so a tile's probabilities can go before the next
+    # tile's scores exist (as in mlx-lm's quantized attention)
     if sinks is None:
         running_max = mx.full((B, n_kv_heads, rows, 1), -float("inf"), mx.float32)
-        running_sum = mx.zeros((B, n_kv_heads, rows, 1), mx.float32)
+        carry = None
     else:
         sinks = mx.broadcast_to(sinks.astype(mx.float32)[:, None], (n_q_heads, L))
         running_max = _fold_queries(sinks.reshape(1, n_q_heads, L, 1), n_kv_heads)
-        running_sum = mx.ones_like(running_max)
-    out = None
+        running_max = mx.broadcast_to(running_max, (B, n_kv_heads, rows, 1))
+        carry = mx.concatenate(
+            [
+                mx.zeros((B, n_kv_heads, rows, value_codec.dim(value_pages[0]))),
+                mx.ones((B, n_kv_heads, rows, 1)),
+            ],
+            axis=-1,
+        )
     page_start = 0
     for k_page, v_page in zip(key_pages, value_pages):
         size = min(k_page[0].shape[2], length - page_start)
@@ -450,16 +460,22 @@ def codebook_scaled_dot_product_attention(
             safe_max = mx.where(new_max == -float("inf"), 0, new_max)
             probs = mx.exp(scores - safe_max)
             correction = mx.exp(running_max - safe_max)
-            running_sum = running_sum * correction + probs.sum(axis=-1, keepdims=True)
             values = value_codec.decode([x[:, :, start:stop] for x in v_page], dtype)
-            tile_out = probs.astype(dtype) @ values
-            if out is None:
-                out = tile_out.astype(mx.float32)
-            else:
-                out = out * correction + tile_out
+            tile_out = mx.concatenate(
+                [
+                    (probs.astype(dtype) @ values).astype(mx.float32),
+                    probs.sum(axis=-1, keepdims=True),
+                ],
+                axis=-1,
+            )
+            carry = tile_out if carry is None else carry * correction + tile_out
             running_max = new_max
+            if L > 1 and scores.size >= base.QUANTIZED_SDPA_TILE_SCORES // 64:
+                # finish a prefill tile before the next begins, or lazily
+                # every tile's scores would exist at once
+                mx.eval(carry, running_max)
         page_start += k_page[0].shape[2]
-    out = out / mx.maximum(running_sum, 1e-30)
+    out = carry[..., :-1] / mx.maximum(carry[..., -1:], 1e-30)
     out = out.astype(dtype).reshape(B, n_q_heads, L, -1)
     return rotate(out, value_codec.rotation, inverse=True)
 

@@ -211,6 +211,21 @@ def test_tiles_within_pages(tile):
     assert relative_error(out, reference(cache, queries, "causal")) < 1e-4
 
 
+def test_prefill_workspace_does_not_grow_with_context():
+    def workspace(length):
+        cache = CodebookKVCache(3, 4)
+        keys, values = fill(cache, 2, length, 1, 64)
+        queries = mx.random.normal((1, 8, 1024, 64))
+        mx.eval(cache.key_pages, cache.value_pages, queries)
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        mx.eval(attend(cache, queries, keys, values, "causal"))
+        return mx.get_peak_memory() - before
+
+    # 2,048-key tiles: one tile against four
+    assert workspace(8192) < 1.1 * workspace(2048)
+
+
 def test_attention_sinks():
     mx.random.seed(11)
     cache = CodebookKVCache(3, page_size=PAGE)
