@@ -481,6 +481,12 @@ def parse_args(argv=None):
     )
     parser.add_argument("--out", help="write the results to this JSON file")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--max-kv-size",
+        type=int,
+        help="bounded context for every scheme, the reference too: rotating "
+        "caches of this many tokens keeping the first 4 (as mlx_lm's --max-kv-size)",
+    )
     return parser.parse_args(argv)
 
 
@@ -516,6 +522,8 @@ def load_model(path: str):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     schemes = resolve_schemes(args.kv or DEFAULT_SCHEMES, args.kv_group_size)
+    if args.max_kv_size:
+        schemes = [kv_schemes.windowed(s, args.max_kv_size) for s in schemes]
     text = read_text(args.text)
     model, tokenizer = load_model(args.model)
     # the code as imported now, whatever changes on disk during the run
@@ -544,6 +552,7 @@ def main(argv=None) -> dict:
         "chunk": args.chunk,
         "kv_group_size": args.kv_group_size,
         "seed": args.seed,
+        "max_kv_size": args.max_kv_size,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "ld_preload": os.environ.get("LD_PRELOAD"),

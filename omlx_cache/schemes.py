@@ -14,12 +14,13 @@ New formats register a pattern and a builder, e.g.::
 
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlx import nn
 from mlx_lm.models.cache import (
     KVCache,
     QuantizedKVCache,
+    RotatingKVCache,
     check_kv_quantization,
     kv_pair,
     make_prompt_cache,
@@ -71,6 +72,28 @@ def get_scheme(name: str, group_size=64) -> Scheme:
         if match:
             return entry.builder(name, group_size, **match.groupdict())
     raise ValueError(f"Unknown KV cache scheme {name!r}; known forms: {known_forms()}.")
+
+
+def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
+    """``scheme`` with a bounded context, as ``--max-kv-size`` gives it: each
+    layer's cache becomes a rotating one of ``max_kv_size`` tokens that keeps the
+    first ``keep``, quantized as the scheme's cache is."""
+
+    def rotating(cache):
+        window = RotatingKVCache(max_size=max_kv_size, keep=keep)
+        if type(cache) is KVCache:
+            return window
+        if type(cache) is QuantizedKVCache:
+            return window.to_quantized(cache.group_size, cache.bits, cache.rotate)
+        raise ValueError(
+            f"Scheme {scheme.name!r} has no bounded-context form "
+            f"({type(cache).__name__})."
+        )
+
+    def make_cache(model):
+        return [rotating(c) for c in scheme.make_cache(model)]
+
+    return replace(scheme, name=f"{scheme.name}@w{max_kv_size}", make_cache=make_cache)
 
 
 def known_forms() -> str:
