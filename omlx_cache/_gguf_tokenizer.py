@@ -1,6 +1,8 @@
 """Build Hugging Face tokenizer files from the tokenizer held in GGUF metadata.
 
-Only GGUF's ``gpt2`` tokenizer model (byte-level BPE) is supported so far.
+Two GGUF tokenizer models are supported: ``gpt2`` (byte-level BPE with merges)
+and ``llama`` (SentencePiece BPE: pieces with scores and byte fallback, as in
+Gemma), both turned into a ``tokenizers`` BPE model.
 """
 
 import json
@@ -12,6 +14,7 @@ from tokenizers import (
     Tokenizer,
     decoders,
     models,
+    normalizers,
     pre_tokenizers,
     processors,
 )
@@ -21,6 +24,9 @@ TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
 TOKEN_CONTROL = 3
 TOKEN_USER_DEFINED = 4
+
+# SentencePiece's whitespace symbol
+SPM_SPACE = "\u2581"
 
 # llama.cpp pre-tokenizer names that split every digit before the GPT-2 regex
 _DIGIT_SPLITTING_PRE = {"smollm", "starcoder", "refact", "codeshell"}
@@ -69,10 +75,17 @@ def _added_tokens(tokens: list[str], token_types: list[int]) -> list[AddedToken]
 
 
 def build_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
-    """A ``tokenizers.Tokenizer`` equivalent to the GGUF's byte-level BPE."""
+    """A ``tokenizers.Tokenizer`` equivalent to the GGUF's tokenizer."""
     kind = metadata.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"Unsupported GGUF tokenizer model: {kind!r}")
+    if kind == "gpt2":
+        return _byte_level_tokenizer(metadata)
+    if kind == "llama":
+        return _sentencepiece_tokenizer(metadata)
+    raise ValueError(f"Unsupported GGUF tokenizer model: {kind!r}")
+
+
+def _byte_level_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
+    """GGUF ``gpt2``: byte-level BPE with the merges stored in the file."""
     tokens = list(metadata["tokenizer.ggml.tokens"])
     token_types = _as_python(metadata["tokenizer.ggml.token_type"])
     merges = [tuple(m.split(" ", 1)) for m in metadata["tokenizer.ggml.merges"]]
@@ -84,6 +97,82 @@ def build_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     tokenizer.add_tokens(_added_tokens(tokens, token_types))
     return tokenizer
+
+
+def sentencepiece_merges(
+    tokens: list[str], scores: list[float], token_types: list[int]
+) -> list[tuple[str, str]]:
+    """BPE merges that reproduce SentencePiece's BPE from its scored pieces.
+
+    SentencePiece (and llama.cpp's ``llama`` tokenizer) repeatedly joins the
+    adjacent pair of symbols whose concatenation is the best scored piece,
+    the leftmost pair on ties. Ranking every split ``(left, right)`` of every
+    normal piece by that piece's score turns it into a standard BPE: the
+    lowest ranked merge is the best scored piece, and BPE too takes the
+    leftmost pair on ties.
+    """
+    vocab = set(tokens)
+    ranked = []
+    for token_id, (token, kind) in enumerate(zip(tokens, token_types)):
+        if kind != TOKEN_NORMAL:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[token_id], token_id, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _sentencepiece_tokenizer(metadata: dict[str, Any]) -> Tokenizer:
+    """GGUF ``llama``: SentencePiece BPE with byte fallback.
+
+    llama.cpp replaces spaces with ``\u2581`` (after an optional leading
+    one), and splits user-defined pieces (runs of newlines, HTML tags in
+    Gemma) off the raw text first, as added tokens do here.
+    """
+    tokens = list(metadata["tokenizer.ggml.tokens"])
+    scores = _as_python(metadata["tokenizer.ggml.scores"])
+    token_types = _as_python(metadata["tokenizer.ggml.token_type"])
+    vocab = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    unk_id = _token_id(metadata, "tokenizer.ggml.unknown_token_id")
+    model = models.BPE(
+        vocab=vocab,
+        merges=sentencepiece_merges(tokens, scores, token_types),
+        unk_token=None if unk_id is None else tokens[unk_id],
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+
+    tokenizer = Tokenizer(model)
+    replace = normalizers.Replace(" ", SPM_SPACE)
+    steps = [decoders.Replace(SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if _space_prefix(metadata):
+        tokenizer.normalizer = normalizers.Sequence(
+            [normalizers.Prepend(SPM_SPACE), replace]
+        )
+        steps.append(decoders.Strip(" ", 1, 0))
+    else:
+        tokenizer.normalizer = replace
+    tokenizer.decoder = decoders.Sequence(steps)
+    bos_id = _token_id(metadata, "tokenizer.ggml.bos_token_id")
+    add_bos = _as_python(metadata.get("tokenizer.ggml.add_bos_token", True))
+    if add_bos and bos_id is not None:
+        bos = tokens[bos_id]
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos}:0 $A:0",
+            pair=f"{bos}:0 $A:0 {bos}:1 $B:1",
+            special_tokens=[(bos, bos_id)],
+        )
+    tokenizer.add_tokens(_added_tokens(tokens, token_types))
+    return tokenizer
+
+
+def _space_prefix(metadata: dict[str, Any]) -> bool:
+    """llama.cpp adds a leading space for ``llama`` tokenizers unless told not to."""
+    return bool(_as_python(metadata.get("tokenizer.ggml.add_space_prefix", True)))
 
 
 def special_tokens(metadata: dict[str, Any]) -> dict[str, str]:
@@ -102,11 +191,14 @@ def tokenizer_config(metadata: dict[str, Any], max_length: int) -> dict[str, Any
     tokens = metadata["tokenizer.ggml.tokens"]
     token_types = _as_python(metadata["tokenizer.ggml.token_type"])
     control = [t for t, k in zip(tokens, token_types) if k == TOKEN_CONTROL]
+    # llama.cpp's defaults when the keys are missing: a BOS for ``llama`` only
+    spm = metadata.get("tokenizer.ggml.model") == "llama"
+    add_bos = metadata.get("tokenizer.ggml.add_bos_token", spm)
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "add_bos_token": bool(_as_python(metadata.get("tokenizer.ggml.add_bos_token"))),
+        "add_bos_token": bool(_as_python(add_bos)),
         "add_eos_token": bool(_as_python(metadata.get("tokenizer.ggml.add_eos_token"))),
-        "add_prefix_space": False,
+        "add_prefix_space": spm and _space_prefix(metadata),
         "clean_up_tokenization_spaces": False,
         "model_max_length": max_length,
         "additional_special_tokens": control,
