@@ -154,10 +154,11 @@ def affine(name, group_size, key_bits, value_bits=None, rotate=None):
     rotate = rotate is not None
 
     def make_cache(model):
-        return [
-            QuantizedKVCache(group_size=group_sizes, bits=bits, rotate=rotate)
-            for _ in range(plain_layers(model))
-        ]
+        # as generation makes them: sliding-window layers get quantized
+        # rotating caches
+        return make_prompt_cache(
+            model, kv_bits=bits, kv_group_size=group_sizes, kv_rotate=rotate
+        )
 
     return Scheme(
         name,
