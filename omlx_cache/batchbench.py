@@ -1,0 +1,93 @@
+"""Total decode throughput of mlx-lm's BatchGenerator with n concurrent streams, per KV scheme.
+
+    python -m omlx_cache.batchbench --model models/SmolLM2-135M-Instruct-f32 \\
+        --streams 1,4,8 --kv fp16 --kv 8,4 --kv 4 --out docs/batchbench.json
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from mlx_lm import load
+from mlx_lm.generate import BatchGenerator, kv_quantization_arg
+
+PROMPTS = [
+    "Write a story about Einstein",
+    "What is the capital of France?",
+    "Explain how a bicycle works.",
+    "List three primary colors.",
+    "Why is the sky blue?",
+    "Describe a cat in one sentence.",
+    "What is 12 times 12?",
+    "Name a famous painter.",
+]
+
+
+def run(model, tokenizer, n, kv_bits, max_tokens):
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
+            tokenize=True,
+            add_generation_prompt=True,
+        )
+        for i in range(n)
+    ]
+    gen = BatchGenerator(
+        model, max_tokens=max_tokens, completion_batch_size=n, kv_bits=kv_bits
+    )
+    gen.insert(prompts)
+    tic, first, tokens = time.perf_counter(), None, 0
+    while responses := gen.next_generated():
+        if first is None:
+            first = time.perf_counter()  # prefill done, first tokens out
+        tokens += len(responses)
+    toc = time.perf_counter()
+    return {
+        "streams": n,
+        "kv": "fp16" if kv_bits is None else str(kv_bits),
+        "tokens": tokens,
+        "prefill_s": first - tic,
+        "decode_tok_s": (tokens - n) / (toc - first),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m omlx_cache.batchbench")
+    parser.add_argument("--model", default="models/SmolLM2-135M-Instruct-f32")
+    parser.add_argument("--streams", default="1,4,8")
+    parser.add_argument("--kv", action="append", help="fp16, N or K,V (repeatable)")
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--out")
+    args = parser.parse_args(argv)
+    model, tokenizer = load(args.model)
+    schemes = [
+        None if k == "fp16" else kv_quantization_arg(k)
+        for k in args.kv or ["fp16", "8,4", "4"]
+    ]
+    run(model, tokenizer, 1, None, 4)  # warm-up
+    rows = []
+    for n in map(int, args.streams.split(",")):
+        for kv_bits in schemes:
+            row = run(model, tokenizer, n, kv_bits, args.max_tokens)
+            print(
+                f"streams {n} kv {row['kv']}: {row['decode_tok_s']:.1f} tok/s",
+                file=sys.stderr,
+            )
+            rows.append(row)
+    print(
+        "| streams | KV | decode tok/s (all streams) | prefill s |\n|---:|---|---:|---:|"
+    )
+    for r in rows:
+        print(
+            f"| {r['streams']} | {r['kv']} | {r['decode_tok_s']:.1f} | {r['prefill_s']:.2f} |"
+        )
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps({"model": args.model, "rows": rows}, indent=2) + "\n"
+        )
+
+
+if __name__ == "__main__":
+    main()
