@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -29,44 +30,50 @@ def free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(smollm2_dirs, tmp_path_factory):
+def start_server(model_dir, hub, *extra):
+    """The server as `make serve` runs it, on a free port; yields its URL."""
     port = free_port()
-    hub = tmp_path_factory.mktemp("hub")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
-    with open(hub / "server.log", "w") as log:
+    command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
+    command += ["--host", "127.0.0.1", "--port", str(port), "--max-tokens", "12"]
+    with open(hub / f"server-{port}.log", "w") as log:
         proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "mlx_lm.server",
-                "--model",
-                str(smollm2_dirs[1]),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--kv-bits",
-                "8,4",
-                "--max-tokens",
-                "12",
-            ],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            [*command, *extra], env=env, stdout=log, stderr=subprocess.STDOUT
         )
         try:
-            yield wait_until_ready(f"http://127.0.0.1:{port}", proc, hub)
+            yield wait_until_ready(f"http://127.0.0.1:{port}", proc, log.name)
         finally:
             proc.terminate()
             proc.wait(timeout=30)
 
 
-def wait_until_ready(url, proc, hub, timeout=120):
+@pytest.fixture(scope="module")
+def server(smollm2_dirs, tmp_path_factory):
+    hub = tmp_path_factory.mktemp("hub")
+    yield from start_server(smollm2_dirs[1], hub, "--kv-bits", "8,4")
+
+
+@pytest.fixture
+def fresh_server(smollm2_dirs, tmp_path_factory):
+    """A server with an empty prompt cache, started with the given arguments."""
+    servers = []
+
+    def start(*extra):
+        servers.append(
+            start_server(smollm2_dirs[1], tmp_path_factory.mktemp("hub"), *extra)
+        )
+        return next(servers[-1])
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def wait_until_ready(url, proc, log_name, timeout=120):
     deadline = time.time() + timeout
     while time.time() < deadline:
         if proc.poll() is not None:
-            pytest.fail(f"server exited: {(hub / 'server.log').read_text()}")
+            pytest.fail(f"server exited: {Path(log_name).read_text()}")
         try:
             if requests.get(f"{url}/health", timeout=1).ok:
                 return url
@@ -106,3 +113,40 @@ def test_concurrent_clients_get_their_own_answers(server):
         together = list(pool.map(lambda q: ask(server, q), QUESTIONS))
     assert "Paris" in alone[0]
     assert together == alone
+
+
+# A multi-turn chat replayed with fixed assistant turns, so that both servers
+# see the same prompts whatever they generate.
+CHAT = [
+    ("user", "Hi! Can you help me plan a picnic?"),
+    ("assistant", "Of course. Where and when would you like to have it?"),
+    ("user", "In a park on Saturday. What food should I bring?"),
+    ("assistant", "Sandwiches, fruit, lemonade and some cookies travel well."),
+    ("user", "Great. And what games could we play?"),
+]
+
+
+def replay(url):
+    """(prompt tokens, cached prompt tokens) of each user turn."""
+    usage = []
+    for turn in range(1, len(CHAT) + 1, 2):
+        messages = [{"role": r, "content": c} for r, c in CHAT[:turn]]
+        response = requests.post(
+            f"{url}/v1/chat/completions",
+            json={"messages": messages, "max_tokens": 4, "temperature": 0.0},
+            timeout=300,
+        )
+        response.raise_for_status()
+        tokens = response.json()["usage"]
+        usage.append(
+            (tokens["prompt_tokens"], tokens["prompt_tokens_details"]["cached_tokens"])
+        )
+    return usage
+
+
+def test_prompt_cache_hits_match_fp16(fresh_server):
+    quantized = replay(fresh_server("--kv-bits", "8,4"))
+    fp16 = replay(fresh_server())
+    assert quantized == fp16
+    # later turns reuse the cached conversation
+    assert all(cached > 0 for _, cached in quantized[1:])
