@@ -7,7 +7,6 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models import llama
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import (
     BatchKVCache,
@@ -15,6 +14,7 @@ from mlx_lm.models.cache import (
     load_prompt_cache,
     save_prompt_cache,
 )
+from tiny_llama import CONFIG, make_model
 
 from omlx_cache import schemes
 from omlx_cache.codebook import (
@@ -437,27 +437,10 @@ def test_batch_tracks_plain_batch_cache():
 # ---------------------------------------------------------------------------
 # A tiny model
 
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 128,
-    "num_hidden_layers": 2,
-    "intermediate_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 320,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-}
-
 
 @pytest.fixture(scope="module")
 def model():
-    mx.random.seed(7)
-    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
-    mx.eval(model.parameters())
-    return model
+    return make_model()
 
 
 def generated(model, prompt, cache, n=12):
@@ -503,7 +486,7 @@ def test_eval_schemes():
         ("codebook-16k-3v", (Plain(), Codebook(3))),
     ]:
         scheme = schemes.get_scheme(name)
-        caches = scheme.make_cache(llama.Model(llama.ModelArgs.from_dict(CONFIG)))
+        caches = scheme.make_cache(make_model())
         assert len(caches) == 2
         assert (caches[0].key_codec, caches[0].value_codec) == codecs
     assert schemes.get_scheme("codebook-3").bits_per_element == (3.125, 3.125)

@@ -5,25 +5,11 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from tiny_llama import CONFIG, make_model
 
 from omlx_cache import eval as kv_eval
 from omlx_cache import schemes
-
-CONFIG = {
-    "model_type": "llama",
-    "hidden_size": 128,
-    "num_hidden_layers": 2,
-    "intermediate_size": 256,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 64,
-    "rms_norm_eps": 1e-5,
-    "vocab_size": 320,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-}
 
 TEXT = (
     "The quick brown fox jumps over the lazy dog.\r\n"
@@ -32,10 +18,7 @@ TEXT = (
 
 
 def tiny_model():
-    mx.random.seed(7)
-    model = llama.Model(llama.ModelArgs.from_dict(CONFIG))
-    mx.eval(model.parameters())
-    return model
+    return make_model()
 
 
 @pytest.fixture(scope="module")
