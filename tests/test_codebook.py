@@ -6,6 +6,7 @@ import itertools
 import mlx.core as mx
 import numpy as np
 import pytest
+from kv_helpers import fill, relative_error
 from mlx_lm.generate import BatchGenerator, generate_step
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import (
@@ -40,18 +41,6 @@ CODECS = {
     "4-givens": (Codebook(4, "givens"), None),
     "3k-plain-v": (3, Plain()),
 }
-
-
-def relative_error(out, ref):
-    return ((out - ref).abs().max() / ref.abs().max()).item()
-
-
-def fill(cache, n_kv, length, new, head_dim, batch=1):
-    keys = mx.random.normal((batch, n_kv, length, head_dim))
-    values = mx.random.normal((batch, n_kv, length, head_dim))
-    if length > new:
-        cache.update_and_fetch(keys[..., :-new, :], values[..., :-new, :])
-    return cache.update_and_fetch(keys[..., -new:, :], values[..., -new:, :])
 
 
 def reference(cache, queries, mask, sinks=None):

@@ -9,6 +9,7 @@ import itertools
 
 import mlx.core as mx
 import pytest
+from kv_helpers import fill, relative_error
 from mlx_lm.models import base
 from mlx_lm.models.base import create_causal_mask, scaled_dot_product_attention
 from mlx_lm.models.cache import QuantizedKVCache
@@ -23,14 +24,6 @@ def small_pages_and_tiles(monkeypatch):
     monkeypatch.setattr(base, "QUANTIZED_SDPA_TILE_SCORES", 2048)
 
 
-def fill(cache, n_kv, length, new, head_dim, batch=1):
-    keys = mx.random.normal((batch, n_kv, length, head_dim))
-    values = mx.random.normal((batch, n_kv, length, head_dim))
-    if length > new:
-        cache.update_and_fetch(keys[..., :-new, :], values[..., :-new, :])
-    return cache.update_and_fetch(keys[..., -new:, :], values[..., -new:, :])
-
-
 def reference(cache, queries, mask):
     (k, v), head_dim = cache.keys_and_values(), queries.shape[-1]
     k = mx.dequantize(*k, group_size=cache.key_group_size, bits=cache.key_bits)
@@ -38,10 +31,6 @@ def reference(cache, queries, mask):
     return mx.fast.scaled_dot_product_attention(
         queries, k, v, scale=head_dim**-0.5, mask=mask
     )
-
-
-def relative_error(out, ref):
-    return ((out - ref).abs().max() / ref.abs().max()).item()
 
 
 SHAPES = list(
