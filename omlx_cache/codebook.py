@@ -46,6 +46,8 @@ from mlx_lm.models.cache import (
     register_cache_class,
 )
 
+from .center import _Centering, check_center_state
+
 ROTATIONS = ("hadamard", "givens", "none")
 # how the stored norm scales the decoded unit vector (see ``Codebook``)
 NORMS = ("dot", "length", "plain")
@@ -404,7 +406,8 @@ def codebook_scaled_dot_product_attention(
 
     Tiles are decoded into the codecs' rotated domains; the queries are
     rotated once and the output rotated back once. ``sinks`` (one logit per
-    query head) join every softmax as a key with no value."""
+    query head, or per query: shape (B, n_q_heads, L)) join every softmax as
+    a key with no value."""
     B, n_q_heads, L, _ = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
     if length is None:
@@ -421,9 +424,11 @@ def codebook_scaled_dot_product_attention(
         running_max = mx.full((B, n_kv_heads, rows, 1), -float("inf"), mx.float32)
         carry = None
     else:
-        sinks = mx.broadcast_to(sinks.astype(mx.float32)[:, None], (n_q_heads, L))
-        running_max = _fold_queries(sinks.reshape(1, n_q_heads, L, 1), n_kv_heads)
-        running_max = mx.broadcast_to(running_max, (B, n_kv_heads, rows, 1))
+        sinks = sinks.astype(mx.float32)
+        if sinks.ndim == 1:
+            sinks = sinks[:, None]
+        sinks = mx.broadcast_to(sinks, (B, n_q_heads, L))[..., None]
+        running_max = _fold_queries(sinks, n_kv_heads)
         carry = mx.concatenate(
             [
                 mx.zeros((B, n_kv_heads, rows, value_codec.dim(value_pages[0]))),
@@ -484,22 +489,29 @@ def codebook_scaled_dot_product_attention(
 # Caches
 
 
-class _CodebookKV(_PagedKV):
+class _CodebookKV(_Centering, _PagedKV):
     """Codecs, paging and attention shared by the single and batched caches.
 
     ``keys`` and ``values`` are codecs, ints (codebook bits) or codec specs;
-    ``values`` defaults to the key codec."""
+    ``values`` defaults to the key codec. ``center`` (``"k"`` or ``"kv"``)
+    stores keys (and values) minus their per-head mean of the first write
+    (``omlx_cache.center``)."""
 
     page_size = 4096
 
-    def _set_codecs(self, keys, values=None, page_size=None):
+    def _set_codecs(self, keys, values=None, page_size=None, center=""):
         self.key_codec = codec(keys)
         self.value_codec = codec(keys if values is None else values)
         self.page_size = int(page_size or type(self).page_size)
+        self._set_center(center)
 
     def _settings(self) -> dict:
         """What caches must share to be batched (the page size need not)."""
-        return {"keys": self.key_codec, "values": self.value_codec}
+        return {
+            "keys": self.key_codec,
+            "values": self.value_codec,
+            "center": self.center,
+        }
 
     @property
     def bits_per_element(self):
@@ -520,6 +532,7 @@ class _CodebookKV(_PagedKV):
         self.value_pages.append(self.value_codec.empty_page(values, size))
 
     def _quantize(self, keys, values):
+        keys, values = self._center(keys, values)
         return self.key_codec.encode(keys), self.value_codec.encode(values)
 
     def _check_dims(self, keys, values):
@@ -538,19 +551,23 @@ class _CodebookKV(_PagedKV):
         )
 
     def dequantize(self, dtype=mx.float32):
-        """The keys and values the cache holds, decoded and rotated back."""
+        """The keys and values the cache holds, decoded, rotated back and with
+        the means of a centered cache added back."""
         keys, values = self.keys_and_values()
         keys = self.key_codec.decode(keys, dtype)
         values = self.value_codec.decode(values, dtype)
-        return (
-            rotate(keys, self.key_codec.rotation, inverse=True),
-            rotate(values, self.value_codec.rotation, inverse=True),
-        )
+        keys = rotate(keys, self.key_codec.rotation, inverse=True)
+        values = rotate(values, self.value_codec.rotation, inverse=True)
+        if self.key_mean is not None:
+            keys = (keys + self.key_mean).astype(dtype)
+        if self.value_mean is not None:
+            values = (values + self.value_mean).astype(dtype)
+        return keys, values
 
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
-        return codebook_scaled_dot_product_attention(
+        out = codebook_scaled_dot_product_attention(
             queries,
             keys,
             values,
@@ -558,15 +575,29 @@ class _CodebookKV(_PagedKV):
             self.value_codec,
             scale=scale,
             mask=mask,
-            sinks=sinks,
+            sinks=self._center_sinks(queries, scale, sinks),
             length=self._length(),
         )
+        return self._uncenter(out)
 
-    def _set_state(self, keys, values, length: int, key_spec, value_spec, page_size):
-        """Set pages and codecs from a state after checking that the pages fit
-        the codecs and hold ``length`` tokens (else a ValueError, and the
-        cache is left as it was)."""
+    def _set_state(
+        self,
+        keys,
+        values,
+        length: int,
+        key_spec,
+        value_spec,
+        page_size,
+        center="",
+        key_mean=None,
+        value_mean=None,
+    ):
+        """Set pages, codecs and means from a state after checking that the
+        pages fit the codecs and hold ``length`` tokens and the means fit the
+        pages (else a ValueError, and the cache is left as it was). States
+        written before centering existed end at ``page_size``."""
         key_codec, value_codec = codec(key_spec), codec(value_spec)
+        center = check_center_state(center, key_mean, value_mean)
         key_pages = self._pages_from_state(keys)
         value_pages = self._pages_from_state(values)
         for c, pages in ((key_codec, key_pages), (value_codec, value_pages)):
@@ -579,12 +610,17 @@ class _CodebookKV(_PagedKV):
             raise ValueError("Cache state has keys and values of different shapes.")
         if sum(page[0].shape[2] for page in key_pages) < length:
             raise ValueError("Cache state holds fewer tokens than its offset.")
+        if key_mean is not None and (
+            not key_pages or key_mean.shape[:2] != key_pages[0][0].shape[:2]
+        ):
+            raise ValueError("Cache state's means do not fit its pages.")
         self._set_codecs(key_codec, value_codec, page_size)
+        self._set_center_state(center, key_mean, value_mean)
         self.key_pages, self.value_pages = key_pages, value_pages
 
     @property
     def nbytes(self):
-        return self._pages_nbytes
+        return self._pages_nbytes + self._means_nbytes
 
     def empty(self):
         return not self.key_pages
@@ -600,13 +636,16 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
     ``keys``/``values``: a ``Codebook``, ``Affine`` or ``Plain`` codec, an int
     (codebook bits, default rotation) or a codec spec; ``values`` defaults to
     the key codec. E.g. ``CodebookKVCache(3)`` or ``CodebookKVCache(3, 4)``.
+    ``center="k"`` stores keys minus their per-head mean of the first write
+    (exact: softmax ignores a shift common to a query's scores); ``"kv"``
+    values too (the output gets their mean back).
     """
 
-    def __init__(self, keys=3, values=None, page_size=None):
+    def __init__(self, keys=3, values=None, page_size=None, center=""):
         self.key_pages = []
         self.value_pages = []
         self.offset = 0
-        self._set_codecs(keys, values, page_size)
+        self._set_codecs(keys, values, page_size, center)
 
     def _length(self):
         return self.offset
@@ -638,6 +677,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             self.key_codec.spec,
             self.value_codec.spec,
             self.page_size,
+            *self._center_state(),
         )
 
     @state.setter
@@ -658,11 +698,11 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
     ``extend``, ``extract``, ``prepare`` and ``finalize`` move packed indices
     and norms, never decoding them."""
 
-    def __init__(self, left_padding, keys=3, values=None, page_size=None):
+    def __init__(self, left_padding, keys=3, values=None, page_size=None, center=""):
         super().__init__(left_padding)
         self.key_pages = []
         self.value_pages = []
-        self._set_codecs(keys, values, page_size)
+        self._set_codecs(keys, values, page_size, center)
 
     def _length(self):
         return self._idx
@@ -684,6 +724,9 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         super().prepare(
             left_padding=left_padding, lengths=lengths, right_padding=right_padding
         )
+        if lengths is not None and self.key_mean is None:
+            # right padding is left out of the means of a first write
+            self._valid_stop = mx.array(lengths) + self._idx
 
     def finalize(self):
         """Move right-padded prompts to the right end (once, after prefill)."""
@@ -710,6 +753,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
             self.key_codec.spec,
             self.value_codec.spec,
             self.page_size,
+            *self._center_state(),
         )
 
     @state.setter
@@ -726,6 +770,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
             pages[:] = [tuple(x[batch_indices] for x in page) for page in pages]
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
+        self._filter_means(batch_indices)
         shared = min(self.left_padding.tolist())
         if shared <= 0:
             return
@@ -765,6 +810,9 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
                 "Cannot batch codebook caches with different settings: "
                 f"{self._settings()} and {other._settings()}"
             )
+        sizes = [c.offset.shape[0] for c in (self, other)]
+        means = self._joined_means([self._means(), other._means()], sizes)
+        self.key_mean, self.value_mean = means
         if self.empty() and other.empty():
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -793,7 +841,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
             for stored in (keys, values)
         )
         cache.offset = self._idx - padding
-        return cache
+        return self._extract_means(idx, cache)
 
     @classmethod
     def merge(cls, caches):
@@ -807,6 +855,8 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         longest = max(lengths)
         padding = [longest - n for n in lengths]
         batch = cls(padding, **settings[0], page_size=caches[0].page_size)
+        means = cls._joined_means([c._means() for c in caches], [1] * len(caches))
+        batch.key_mean, batch.value_mean = means
         if longest == 0:
             return batch
         stored = [c.keys_and_values() if c.offset else None for c in caches]
@@ -841,6 +891,7 @@ NOMINAL_HEAD_DIM = 128
 CODEBOOK_SCHEME = (
     r"codebook-(?P<key_bits>\d+)(k-(?P<affine>a?)(?P<value_bits>\d+)v)?"
     r"(-(?P<rotation>hadamard|givens|none))?(-(?P<norm>dot|length|plain))?"
+    r"(?P<center>\+center(?P<center_values>-kv)?)?"
 )
 
 
@@ -868,17 +919,31 @@ def register_schemes():
 
     @schemes.register(
         CODEBOOK_SCHEME,
-        syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none]",
+        syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] "
+        "[+center|+center-kv]",
         help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
         "(-givens: PlanarQuant pairs) plus a float16 norm per vector; Kk-Vv: K and V "
-        "bits (16 = unquantized), aV: affine V (Hadamard, group 64)",
+        "bits (16 = unquantized), aV: affine V (Hadamard, group 64); +center: keys "
+        "minus their per-head mean of the first write, +center-kv values too; "
+        "sliding-window layers hold the whole context (same attention)",
     )
-    def codebook(name, group_size, key_bits, value_bits, affine, rotation, norm):
+    def codebook(
+        name,
+        group_size,
+        key_bits,
+        value_bits,
+        affine,
+        rotation,
+        norm,
+        center,
+        center_values,
+    ):
         keys, values = scheme_codecs(key_bits, value_bits, affine, rotation, norm)
+        center = schemes.center_option(center, center_values)
 
         def make_cache(model):
-            layers = schemes.plain_layers(model)
-            return [CodebookKVCache(keys, values) for _ in range(layers)]
+            layers = schemes.plain_layers(model, windows=True)
+            return [CodebookKVCache(keys, values, center=center) for _ in range(layers)]
 
         bits = (c.bits_per_element(NOMINAL_HEAD_DIM) for c in (keys, values))
         return schemes.Scheme(name, make_cache, bits_per_element=tuple(bits))

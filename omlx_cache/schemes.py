@@ -1,7 +1,7 @@
 """KV cache schemes by name, for evaluation and benchmarks.
 
-A scheme string such as ``fp16``, ``8``, ``8,4`` or ``4+rotate`` names how a
-model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
+A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate`` or
+``4+rotate+center/g32`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
 a factory ``(model) -> list of caches`` plus the bits per element the format
 costs.
 
@@ -24,6 +24,12 @@ from mlx_lm.models.cache import (
     check_kv_quantization,
     kv_pair,
     make_prompt_cache,
+)
+
+from .center import (
+    CenteredQuantizedKVCache,
+    CenteredQuantizedRotatingKVCache,
+    centered,
 )
 
 # the scales and biases of affine quantization, as a float16 / bfloat16 model stores them
@@ -85,6 +91,15 @@ def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
             return window
         if type(cache) is QuantizedKVCache:
             return window.to_quantized(cache.group_size, cache.bits, cache.rotate)
+        if type(cache) is CenteredQuantizedKVCache:
+            return CenteredQuantizedRotatingKVCache(
+                max_kv_size,
+                keep,
+                cache.group_size,
+                cache.bits,
+                cache.rotate,
+                cache.center,
+            )
         raise ValueError(
             f"Scheme {scheme.name!r} has no bounded-context form "
             f"({type(cache).__name__})."
@@ -115,13 +130,26 @@ def parse_group_size(text: str):
     raise ValueError(f"Group size must be N or K,V, got {text!r}.")
 
 
-def plain_layers(model: nn.Module) -> int:
-    """Number of layers of a model whose default cache is a plain KVCache per layer."""
+def plain_layers(model: nn.Module, windows: bool = False) -> int:
+    """Number of layers of a model whose default cache is a plain KVCache per
+    layer. With ``windows``, sliding-window layers (a ``RotatingKVCache`` that
+    keeps no first tokens, as Gemma 3 makes) count as plain: a cache that
+    holds the whole context gives the same attention when the model asks
+    the cache for its window mask (``make_mask(window_size=...)``, as Gemma 3
+    does), only holding more tokens than the window."""
+
+    def plain(c):
+        if type(c) is KVCache:
+            return True
+        return windows and type(c) is RotatingKVCache and c.keep == 0
+
     caches = make_prompt_cache(model)
-    if not all(type(c) is KVCache for c in caches):
+    if not all(map(plain, caches)):
         kinds = sorted({type(c).__name__ for c in caches})
         raise ValueError(
-            f"Quantized schemes need a plain KVCache per layer; this model makes {kinds}."
+            f"These schemes need a plain KVCache per layer"
+            f"{' (or a sliding window)' if windows else ''}; this model makes "
+            f"{kinds}."
         )
     return len(caches)
 
@@ -142,23 +170,54 @@ def affine_bits(bits: int, group_size: int) -> float:
     return bits + 2 * SCALE_BITS / group_size
 
 
+CENTER_SUFFIX = r"(?P<center>\+center(?P<center_values>-kv)?)?"
+GROUP_SUFFIX = r"(/g(?P<groups>\d+(,\d+)?))?"
+
+
+def center_option(center, center_values) -> str:
+    """The ``center`` setting of a scheme name's ``+center`` / ``+center-kv``."""
+    if center is None:
+        return ""
+    return "kv" if center_values else "k"
+
+
 @register(
-    r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?(?P<rotate>\+rotate)?",
-    syntax="B, K,V, B+rotate or K,V+rotate",
+    r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?(?P<rotate>\+rotate)?"
+    + CENTER_SUFFIX
+    + GROUP_SUFFIX,
+    syntax="B or K,V [+rotate] [+center|+center-kv] [/gG or /gGK,GV]",
     help="mlx affine QuantizedKVCache from the first token, K and V bits; "
-    "+rotate stores keys and values rotated before quantizing them",
+    "+rotate stores keys and values rotated before quantizing them; +center "
+    "stores keys minus their per-head mean of the first write "
+    "(CenteredQuantizedKVCache), +center-kv values too; /g: group size "
+    "(else --kv-group-size)",
 )
-def affine(name, group_size, key_bits, value_bits=None, rotate=None):
+def affine(
+    name,
+    group_size,
+    key_bits,
+    value_bits=None,
+    rotate=None,
+    center=None,
+    center_values=None,
+    groups=None,
+):
     bits = (int(key_bits), int(value_bits or key_bits))
+    if groups is not None:
+        group_size = parse_group_size(groups)
     group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
     rotate = rotate is not None
+    center = center_option(center, center_values)
 
     def make_cache(model):
         # as generation makes them: sliding-window layers get quantized
         # rotating caches
-        return make_prompt_cache(
+        caches = make_prompt_cache(
             model, kv_bits=bits, kv_group_size=group_sizes, kv_rotate=rotate
         )
+        if center:
+            caches = [centered(c, center) for c in caches]
+        return caches
 
     return Scheme(
         name,

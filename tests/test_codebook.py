@@ -289,7 +289,11 @@ def test_save_and_load(tmp_path, name):
 def test_inconsistent_state_is_rejected():
     cache = CodebookKVCache(3)
     fill(cache, 2, 20, 20, 64)
-    keys, values, offset, key_spec, value_spec, page_size = cache.state
+    keys, values, offset, key_spec, value_spec, page_size, *center = cache.state
+    assert center == ["", None, None]
+    # states written before centering existed end at the page size
+    old = CodebookKVCache.from_state(cache.state[:6])
+    assert old.center == "" and old.offset == 20
     bad = [
         (keys, values, offset, "codebook-3-twirl-dot", value_spec, page_size),
         (keys, values, offset, Affine().spec, value_spec, page_size),
