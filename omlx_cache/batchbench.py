@@ -2,6 +2,9 @@
 
     python -m omlx_cache.batchbench --model models/SmolLM2-135M-Instruct-f32 \\
         --streams 1,4,8 --kv fp16 --kv 8,4 --kv 4 --out docs/batchbench.json
+
+`--max-kv-size N` bounds every stream's context to N tokens (rotating caches, quantized with
+a quantized scheme), as `mlx_lm.server --max-kv-size N` does.
 """
 
 import argparse
@@ -25,7 +28,7 @@ PROMPTS = [
 ]
 
 
-def run(model, tokenizer, n, kv_bits, max_tokens):
+def run(model, tokenizer, n, kv_bits, max_tokens, max_kv_size=None):
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
@@ -35,7 +38,11 @@ def run(model, tokenizer, n, kv_bits, max_tokens):
         for i in range(n)
     ]
     gen = BatchGenerator(
-        model, max_tokens=max_tokens, completion_batch_size=n, kv_bits=kv_bits
+        model,
+        max_tokens=max_tokens,
+        completion_batch_size=n,
+        kv_bits=kv_bits,
+        max_kv_size=max_kv_size,
     )
     gen.insert(prompts)
     tic, first, tokens = time.perf_counter(), None, 0
@@ -47,6 +54,7 @@ def run(model, tokenizer, n, kv_bits, max_tokens):
     return {
         "streams": n,
         "kv": "fp16" if kv_bits is None else str(kv_bits),
+        "max_kv_size": max_kv_size,
         "tokens": tokens,
         "prefill_s": first - tic,
         "decode_tok_s": (tokens - n) / (toc - first),
@@ -59,6 +67,7 @@ def main(argv=None):
     parser.add_argument("--streams", default="1,4,8")
     parser.add_argument("--kv", action="append", help="fp16, N or K,V (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--max-kv-size", type=int, help="bounded context (tokens)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     model, tokenizer = load(args.model)
@@ -70,7 +79,7 @@ def main(argv=None):
     rows = []
     for n in map(int, args.streams.split(",")):
         for kv_bits in schemes:
-            row = run(model, tokenizer, n, kv_bits, args.max_tokens)
+            row = run(model, tokenizer, n, kv_bits, args.max_tokens, args.max_kv_size)
             print(
                 f"streams {n} kv {row['kv']}: {row['decode_tok_s']:.1f} tok/s",
                 file=sys.stderr,
@@ -84,9 +93,8 @@ def main(argv=None):
             f"| {r['streams']} | {r['kv']} | {r['decode_tok_s']:.1f} | {r['prefill_s']:.2f} |"
         )
     if args.out:
-        Path(args.out).write_text(
-            json.dumps({"model": args.model, "rows": rows}, indent=2) + "\n"
-        )
+        result = {"model": args.model, "max_kv_size": args.max_kv_size, "rows": rows}
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -2,10 +2,12 @@
 
 The server runs as its own process, as `make serve` starts it; clients are
 `requests` and the `openai` package. With `--kv-bits 8,4` the server keeps
-batching on: concurrent greedy requests must get the answers they get alone.
+batching on (also with `--max-kv-size`): concurrent greedy requests must get the
+answers they get alone.
 """
 
 import concurrent.futures
+import json
 import os
 import socket
 import subprocess
@@ -96,6 +98,31 @@ def ask(url, question):
     return response.json()["choices"][0]["message"]["content"]
 
 
+def ask_streaming(url, question):
+    """(answer, time of its first token, time of its last token), streamed."""
+    response = requests.post(
+        f"{url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": question}],
+            "max_tokens": 12,
+            "temperature": 0.0,
+            "stream": True,
+        },
+        stream=True,
+        timeout=300,
+    )
+    response.raise_for_status()
+    parts, times = [], []
+    for line in response.iter_lines():
+        if not line.startswith(b"data: {"):
+            continue
+        delta = json.loads(line[len(b"data: ") :])["choices"][0]["delta"]
+        if delta.get("content"):
+            parts.append(delta["content"])
+            times.append(time.monotonic())
+    return "".join(parts), times[0], times[-1]
+
+
 def test_openai_client_chat(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="none")
     reply = client.chat.completions.create(
@@ -150,3 +177,16 @@ def test_prompt_cache_hits_match_fp16(fresh_server):
     assert quantized == fp16
     # later turns reuse the cached conversation
     assert all(cached > 0 for _, cached in quantized[1:])
+
+
+def test_bounded_quantized_server_batches(fresh_server):
+    # a 32-token window, shorter than the prompts (35-38 tokens): prefill and
+    # decode both wrap the quantized rotating caches
+    url = fresh_server("--max-kv-size", "32", "--kv-bits", "8,4")
+    alone = [ask(url, q) for q in QUESTIONS]
+    with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        together = list(pool.map(lambda q: ask_streaming(url, q), QUESTIONS))
+    assert [answer for answer, _, _ in together] == alone
+    assert all(alone)
+    # served as one batch: every stream got its first token before any ended
+    assert max(first for _, first, _ in together) < min(last for *_, last in together)
