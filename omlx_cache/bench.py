@@ -16,6 +16,9 @@ Schemes: ``fp16`` (mlx-lm's ``KVCache``, in the model's dtype), ``upstream-B``
 (upstream's default path: ``KVCache`` until S tokens, then converted), and
 ours: ``B`` or ``KB,VB`` (patched ``QuantizedKVCache``), ``+reserve`` to
 reserve the whole context up front, ``/pN`` for a page size of N tokens.
+Any other name is a scheme of ``omlx_cache.schemes`` (as ``python -m
+omlx_cache.eval --kv`` takes them), e.g. ``4+rotate``, ``codebook-3`` or
+``codebook-3k-4v+center``.
 """
 
 import argparse
@@ -43,6 +46,8 @@ import mlx_lm
 from mlx import nn
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, check_kv_quantization
+
+from . import schemes as kv_schemes
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VENDOR = REPO_ROOT / "vendor"
@@ -234,7 +239,7 @@ def lm_head(model, hidden):
 @dataclass(frozen=True)
 class Scheme:
     name: str
-    kind: str  # "fp", "upstream" or "ours"
+    kind: str  # "fp", "upstream", "ours" or "named" (omlx_cache.schemes)
     bits: tuple[int, int] = (16, 16)
     reserve: bool = False
     page_size: int | None = None
@@ -249,9 +254,15 @@ class Scheme:
         return f"upstream-{min(self.bits)}"
 
 
+OURS = re.compile(r"\d+(,\d+)?(\+reserve)?(/p\d+)?")
+
+
 def parse_scheme(name: str) -> Scheme:
     if name == "fp16":
         return Scheme(name, "fp")
+    if not name.startswith("upstream-") and not OURS.fullmatch(name):
+        kv_schemes.get_scheme(name)  # a clear error for an unknown name
+        return Scheme(name, "named")
     base, _, page = name.partition("/p")
     page_size = int(page) if page else None
     if base.startswith("upstream-"):
@@ -280,7 +291,11 @@ def page_size(size: int | None):
     return setting(QuantizedKVCache, "page_size", size)
 
 
-def make_cache(scheme: Scheme, n_layers: int, tokens: int, group_size: int, upstream):
+def make_cache(
+    scheme: Scheme, n_layers: int, tokens: int, group_size: int, upstream, model=None
+):
+    if scheme.kind == "named":
+        return kv_schemes.get_scheme(scheme.name, group_size).make_cache(model)
     if scheme.kind == "fp":
         return [KVCache() for _ in range(n_layers)]
     if scheme.kind == "upstream":
@@ -414,6 +429,7 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
             context + n_decode,
             opts.kv_group_size,
             setup.upstream_cache,
+            model,
         )
         gc.collect()
         mx.clear_cache()

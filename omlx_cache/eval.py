@@ -397,10 +397,14 @@ def machine() -> str:
 
 def source_tree(package) -> str | None:
     """``<commit> <subject>`` of the git checkout a package is imported from,
-    with ``(modified)`` when it has uncommitted changes; None outside git."""
+    with ``(modified)`` when it has uncommitted changes; outside git, the
+    ``COMMIT`` file beside the package (a ``git archive`` snapshot's) with
+    ``(snapshot)``, else None."""
     import subprocess
 
     root = Path(package.__file__).resolve().parents[1]
+    if not (root / ".git").exists() and (root / "COMMIT").is_file():
+        return (root / "COMMIT").read_text().strip() + " (snapshot)"
 
     def git(*args):
         command = ["git", "-C", str(root), *args]

@@ -172,3 +172,16 @@ def test_decode_error_keeps_prefill(tmp_path, monkeypatch):
         assert r["decode_error"] == "RuntimeError: no implementation"
         assert r["peak_bytes"] > 0 and "decode_tok_s" not in r
     assert "| error |" in bench.report_markdown(report)
+
+
+def test_named_schemes(tmp_path):
+    assert bench.parse_scheme("codebook-3k-4v+center").kind == "named"
+    assert bench.parse_scheme("4+rotate").counterpart is None
+    with pytest.raises(ValueError, match="Unknown KV cache scheme"):
+        bench.parse_scheme("codebook-3x")
+    report = tiny_run(tmp_path, "--schemes", "fp16", "codebook-3", "4+rotate+center")
+    for r in report["rows"]:
+        assert "error" not in r and r["decode_tok_s"] > 0, r
+    for name in ("codebook-3", "4+rotate+center"):
+        r = bench.find(report["rows"], 512, name)
+        assert r["prefill_logits_rel_err"] < 0.5 and r["kv_bytes"] > 0
