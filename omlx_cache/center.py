@@ -262,6 +262,13 @@ class CenteredQuantizedRotatingKVCache(_Centered, QuantizedRotatingKVCache):
         super().__init__(max_size, keep, group_size, bits, rotate)
         self._require_center(center)
 
+    @classmethod
+    def merge(cls, caches):
+        raise NotImplementedError(
+            "Centered rotating caches cannot be batched yet (no centered "
+            "BatchQuantizedRotatingKVCache); serve them one sequence at a time."
+        )
+
 
 @register_cache_class
 class CenteredBatchQuantizedKVCache(_Centered, BatchQuantizedKVCache):

@@ -380,6 +380,36 @@ def format_table(results: Sequence[dict]) -> str:
     return f"{TABLE_HEADER}\n{rows}\n\n{TABLE_NOTES}"
 
 
+def element_bits(r: dict) -> dict:
+    """(k, v) bits per element as a float16 model stores them: codebook
+    schemes as stored (their norms are float16 at this head dim), affine ones
+    with 16-bit scales and biases (a float32 run stores float32 ones)."""
+    if r["kv"].startswith("codebook"):
+        return r["stored_bits_per_element"]
+    return r["bits_per_element"]
+
+
+def summary_table(results: Sequence[dict]) -> str:
+    """A short markdown table of a run: bits, ΔPPL, KLD and top-1 per scheme."""
+    lines = [
+        "| KV | bits/elem K / V | ΔPPL vs fp16 (95% CI) | KLD (± 95%) | top-1 (95% CI) |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        bits = element_bits(r)
+        delta = (
+            f"ref (PPL {r['ppl']:.3f})"
+            if r["reference"]
+            else f"{r['delta_ppl_pct']:+.2f}% ({format_ci(r['delta_ppl_pct_ci'], 2)})"
+        )
+        kld = f"{r['kld']:.4f} ± {(r['kld_ci'][1] - r['kld_ci'][0]) / 2:.4f}"
+        top1 = f"{r['top1']:.1f}% ({format_ci(r['top1_ci'], 1)})"
+        lines.append(
+            f"| {r['kv']} | {bits['k']:.4g} / {bits['v']:.4g} | {delta} | {kld} | {top1} |"
+        )
+    return "\n".join(lines)
+
+
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
     try:
@@ -484,6 +514,11 @@ def parse_args(argv=None):
         "--chunk", type=int, default=128, help="tokens fed to the model at a time"
     )
     parser.add_argument("--out", help="write the results to this JSON file")
+    parser.add_argument(
+        "--table",
+        metavar="JSON",
+        help="print the short table of an earlier run's JSON and exit",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--max-kv-size",
@@ -525,6 +560,10 @@ def load_model(path: str):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.table:
+        report = json.loads(Path(args.table).read_text())
+        print(summary_table(report["results"]))
+        return report
     schemes = resolve_schemes(args.kv or DEFAULT_SCHEMES, args.kv_group_size)
     if args.max_kv_size:
         schemes = [kv_schemes.windowed(s, args.max_kv_size) for s in schemes]

@@ -195,6 +195,8 @@ def test_rotating_cache_centers_its_window():
     for t in range(20, 60):
         k, v = cache.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
     assert mx.array_equal(cache.key_mean, mean) and cache.offset == 60
+    with pytest.raises(NotImplementedError, match="batched"):
+        CenteredQuantizedRotatingKVCache.merge([cache])
     queries = mx.random.normal((1, 4, 1, 64))
     out = attend(cache, queries, k, v, None)
     k = mx.dequantize(*k, group_size=64, bits=8) + mean

@@ -186,3 +186,7 @@ def test_main_writes_json(tmp_path, model, capsys):
         assert set(r["bits_per_element"]) == {"k", "v"}
     table = capsys.readouterr().out
     assert "| fp16 |" in table and "| 4 |" in table
+    capsys.readouterr()
+    kv_eval.main(["--table", str(out)])
+    short = capsys.readouterr().out
+    assert "| fp16 | 16 / 16 | ref (PPL" in short and "| 4 | 4.5 / 4.5 | " in short
