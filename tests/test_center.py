@@ -360,13 +360,16 @@ def generated(model, prompt, cache, n=6):
     return [int(token) for token, _ in steps]
 
 
-def test_batch_generator_matches_single(model):
+@pytest.mark.parametrize("kind", ["affine", "codebook"])
+def test_batch_generator_matches_single(model, kind):
     prompts = [list(range(3, 30)), [5, 6, 7], list(range(40, 52))]
     gen = BatchGenerator(
         model, max_tokens=6, prefill_batch_size=2, completion_batch_size=3
     )
 
     def caches():
+        if kind == "affine":
+            return [CenteredQuantizedKVCache(64, 8, center="kv") for _ in model.layers]
         return [CodebookKVCache(Plain(), Plain(), center="kv") for _ in model.layers]
 
     uids = gen.insert(prompts, caches=[caches() for _ in prompts])
