@@ -4,7 +4,8 @@ Upstream formats with black, which ruff format does not match line for line, so 
 `ruff format --check` of a patched file reports upstream's own lines too. Instead, for every
 Python file the series touches, compare what ruff would change in the pristine file with what it
 would change in the patched one: lines it would change only in the patched file are ours.
-Also runs `ruff check` with upstream's own configuration on those files.
+Also runs `ruff check` with upstream's own configuration on those files, and checks that every
+commit message survives `git am`: a line starting with "---" ends the message there.
 """
 
 import subprocess
@@ -36,6 +37,19 @@ def lines_ruff_would_change(source, name):
     }
 
 
+def header_problems():
+    """Commit messages that `git am` would cut short."""
+    problems = 0
+    for commit in git("rev-list", "upstream..HEAD").split():
+        message = git("log", "-1", "--format=%B", commit)
+        for line in message.splitlines():
+            if line.startswith("---"):
+                subject = message.splitlines()[0]
+                print(f"{subject}: a message line starts with '---' ({line!r})")
+                problems += 1
+    return problems
+
+
 def main():
     files = [
         f for f in git("diff", "--name-only", "upstream").split() if f.endswith(".py")
@@ -56,6 +70,7 @@ def main():
     if files:
         check = subprocess.run([*RUFF, "check", "-q", *files], cwd=TREE, check=False)
         problems += check.returncode
+    problems += header_problems()
     print(f"lint-patches: {len(files)} patched file(s), {problems} problem(s)")
     return 1 if problems else 0
 
