@@ -143,7 +143,10 @@ def summaries(model, windows, kv):
     }
 
 
-def split(model, windows, names):
+def split(model, windows, names, cache_class=None, suffix=""):
+    """Each scheme quantizing K and V, K only and V only (the other kept
+    exact), with ``cache_class`` (default CodebookKVCache)."""
+    cache_class = cache_class or CodebookKVCache
     kv = []
     for name in names:
         c, center = diagnosed(name)
@@ -154,33 +157,16 @@ def split(model, windows, names):
         ):
             kv.append(
                 scheme(
-                    f"{name}, {label}",
+                    f"{name}, {label}{suffix}",
                     model,
-                    lambda i, k=k, v=v, center=center: CodebookKVCache(
-                        k, v, center=center
-                    ),
+                    lambda i, k=k, v=v, center=center: cache_class(k, v, center=center),
                 )
             )
     return summaries(model, windows, kv)
 
 
 def first_exact(model, windows, names):
-    kv = []
-    for name in names:
-        c, center = diagnosed(name)
-        for label, k, v in (
-            ("both", c, c),
-            ("K only", c, Plain()),
-            ("V only", Plain(), c),
-        ):
-            kv.append(
-                scheme(
-                    f"{name}, {label}, first token exact",
-                    model,
-                    lambda i, k=k, v=v, center=center: FirstExact(k, v, center=center),
-                )
-            )
-    return summaries(model, windows, kv)
+    return split(model, windows, names, FirstExact, ", first token exact")
 
 
 def per_layer(model, windows, name):

@@ -84,15 +84,19 @@ def wait_until_ready(url, proc, log_name, timeout=120):
     pytest.fail(f"server did not start within {timeout} s")
 
 
+def chat_request(question, **extra):
+    """The body of a short greedy chat completion."""
+    return {
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": 12,
+        "temperature": 0.0,
+        **extra,
+    }
+
+
 def ask(url, question):
     response = requests.post(
-        f"{url}/v1/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": question}],
-            "max_tokens": 12,
-            "temperature": 0.0,
-        },
-        timeout=300,
+        f"{url}/v1/chat/completions", json=chat_request(question), timeout=300
     )
     response.raise_for_status()
     return response.json()["choices"][0]["message"]["content"]
@@ -102,12 +106,7 @@ def ask_streaming(url, question):
     """(answer, time of its first token, time of its last token), streamed."""
     response = requests.post(
         f"{url}/v1/chat/completions",
-        json={
-            "messages": [{"role": "user", "content": question}],
-            "max_tokens": 12,
-            "temperature": 0.0,
-            "stream": True,
-        },
+        json=chat_request(question, stream=True),
         stream=True,
         timeout=300,
     )
