@@ -2,7 +2,10 @@
 
 For each context length and scheme, one process measures the peak memory of a
 chunked prefill (as in mlx-lm's ``generate_step``), the cache's bytes and the
-decode speed at that context. Upstream schemes run the unpatched mlx-lm
+decode speed at that context, twice: evaluating each step before building the
+next ("decode"), and queueing the next step before waiting for the previous
+one, as ``generate_step`` does ("pipelined", where Python's graph building
+overlaps the device). Upstream schemes run the unpatched mlx-lm
 (``vendor/pristine``, extracted from the vendored repo's ``upstream`` tag)
 with the same weights as the patched model.
 
@@ -402,6 +405,33 @@ def decode(model, cache, tokens, after_call, deadline, min_steps=3):
     return times, first
 
 
+def decode_pipelined(model, cache, tokens, after_call, deadline, min_steps=3):
+    """Single-token steps as mlx-lm's ``generate_step`` runs them: each
+    step's graph is built and queued (``mx.async_eval``) before the previous
+    step's result is waited for, so Python overlaps the GPU. The times are
+    the intervals between consecutive results."""
+
+    def queue(i):
+        logits = model(tokens[None, i : i + 1], cache=cache)
+        after_call(cache)
+        mx.async_eval(logits)
+        return logits
+
+    times = []
+    pending = queue(0)
+    tic = time.perf_counter()
+    for i in range(1, tokens.shape[0] + 1):
+        following = queue(i) if i < tokens.shape[0] else None
+        mx.eval(pending)
+        times.append(time.perf_counter() - tic)
+        tic = time.perf_counter()
+        pending = following
+        if pending is not None and tic > deadline and len(times) >= min_steps:
+            mx.eval(pending)
+            break
+    return times
+
+
 def rel_err(x: mx.array, ref: mx.array) -> float:
     x, ref = x.astype(mx.float32), ref.astype(mx.float32)
     err = mx.linalg.norm(x - ref) / mx.maximum(mx.linalg.norm(ref), 1e-30)
@@ -415,8 +445,9 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
     n_layers = len(model.model.layers)
     vocab = model.args.vocab_size
     n_decode = opts.decode_warmup + opts.decode_tokens
+    modes = DECODE_MODES[opts.decode_mode]
     prompt = random_tokens(context, vocab, seed=context)
-    steps = random_tokens(n_decode, vocab, seed=context + 1)
+    steps = random_tokens(n_decode * len(modes), vocab, seed=context + 1)
     mx.eval(prompt, steps)
     budget = opts.case_budget or math.inf
     after_call = converter(scheme, opts.kv_group_size)
@@ -426,7 +457,7 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
         cache = make_cache(
             scheme,
             n_layers,
-            context + n_decode,
+            context + steps.shape[0],
             opts.kv_group_size,
             setup.upstream_cache,
             model,
@@ -454,25 +485,53 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
         mx.reset_peak_memory()
         deadline = time.perf_counter() + max(budget - prefill_s, 0)
         try:
-            times, first = decode(model, cache, steps, after_call, deadline)
+            first = None
+            for mode in modes:
+                mode_steps = steps[:n_decode] if first is None else steps[n_decode:]
+                if mode == "sync":
+                    times, first = decode(
+                        model, cache, mode_steps, after_call, deadline
+                    )
+                else:
+                    times = decode_pipelined(
+                        model, cache, mode_steps, after_call, deadline
+                    )
+                add_decode_times(row, times, opts.decode_warmup, DECODE_KEYS[mode])
         # upstream's decode attention raises on CUDA: keep the prefill numbers
         except Exception as e:  # noqa: BLE001
             row["decode_error"] = f"{type(e).__name__}: {e}"
             add_errors(row, setup, scheme, context, logits, None)
             return row
         row["decode_peak_bytes"] = mx.get_peak_memory()
-    timed = times[opts.decode_warmup :] or times[-1:]
-    median = statistics.median(timed)
-    row.update(
-        decode_steps=len(timed),
-        decode_ms=[round(t * 1e3, 3) for t in timed],
-        decode_ms_median=median * 1e3,
-        decode_ms_min=min(timed) * 1e3,
-        decode_tok_s=1 / median,
-    )
     add_floor(row, setup)
     add_errors(row, setup, scheme, context, logits, first)
     return row
+
+
+# --decode-mode: which decode loops run, in order (the synchronous loop's first
+# logits are the ones compared with fp16's)
+DECODE_MODES = {
+    "sync": ("sync",),
+    "pipelined": ("pipelined",),
+    "both": ("sync", "pipelined"),
+}
+# row keys: "decode_*" for the synchronous loop (as in earlier runs),
+# "decode_pipelined_*" for generate_step's overlapped loop
+DECODE_KEYS = {"sync": "decode", "pipelined": "decode_pipelined"}
+
+
+def add_decode_times(row: dict, times: list, warmup: int, key: str):
+    timed = times[warmup:] or times[-1:]
+    median = statistics.median(timed)
+    row.update(
+        {
+            f"{key}_steps": len(timed),
+            f"{key}_ms": [round(t * 1e3, 3) for t in timed],
+            f"{key}_ms_median": median * 1e3,
+            f"{key}_ms_min": min(timed) * 1e3,
+            f"{key}_tok_s": 1 / median,
+        }
+    )
 
 
 def add_floor(row: dict, setup: Setup):
@@ -653,7 +712,11 @@ class Runner:
 def summary(row: dict) -> str:
     if "error" in row or "skipped" in row:
         return row.get("error") or row["skipped"]
-    decode = row.get("decode_error") or f"{row['decode_tok_s']:.1f} tok/s"
+    decode = row.get("decode_error") or ", ".join(
+        f"{row[key + '_tok_s']:.1f} tok/s{label}"
+        for key, label in (("decode", ""), ("decode_pipelined", " pipelined"))
+        if key + "_tok_s" in row
+    )
     return (
         f"peak {row['peak_bytes'] / MIB:.1f} MiB, KV {row['kv_bytes'] / MIB:.1f} MiB, "
         f"workspace {row['workspace_bytes'] / MIB:.1f} MiB, "
@@ -851,21 +914,26 @@ def markdown_table(rows: list[dict], weights_bytes: int, everything=None) -> lis
             f"| context | scheme | weights {unit} | KV {unit} (nbytes) | peak {unit} "
             f"| workspace {unit} | prefill tok/s | decode tok/s | peak / fp16 "
             "| peak / upstream | decode / fp16 | decode / upstream "
+            "| pipelined decode tok/s | pipelined / fp16 "
             "| logits err (prefill, decode) |"
         ),
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         head = f"| {row['context']} | {row['scheme']} | {weights_bytes / scale:.3f} |"
         if not ok(row):
             note = (row.get("error") or row.get("skipped", "")).replace("|", "/")
-            lines.append(f"{head} {note[:120]} |" + " |" * 9)
+            lines.append(f"{head} {note[:120]} |" + " |" * 11)
             continue
         fill, step = row_fill(row)
         counterpart = parse_scheme(row["scheme"]).counterpart
         fp = find(everything, row["context"], "fp16", fill, step)
         up = find(everything, row["context"], counterpart, fill, step)
-        decode = f"{row['decode_tok_s']:.1f}" if ok(row, "decode_tok_s") else "error"
+        missing = "error" if "decode_error" in row else "—"
+        decode, pipelined = (
+            f"{row[key]:.1f}" if ok(row, key) else missing
+            for key in ("decode_tok_s", "decode_pipelined_tok_s")
+        )
         errors = [row.get(f"{k}_logits_rel_err") for k in ("prefill", "decode")]
         errors = ", ".join("—" if e is None else f"{e:.3g}" for e in errors)
         lines.append(
@@ -873,7 +941,8 @@ def markdown_table(rows: list[dict], weights_bytes: int, everything=None) -> lis
             f"| {row['workspace_bytes'] / scale:.3f} | {row['prefill_tok_s']:.0f} "
             f"| {decode} | {ratio(row, fp, 'peak_bytes')} "
             f"| {ratio(row, up, 'peak_bytes')} | {ratio(row, fp, 'decode_tok_s')} "
-            f"| {ratio(row, up, 'decode_tok_s')} | {errors} |"
+            f"| {ratio(row, up, 'decode_tok_s')} | {pipelined} "
+            f"| {ratio(row, fp, 'decode_pipelined_tok_s')} | {errors} |"
         )
     return lines
 
@@ -881,21 +950,29 @@ def markdown_table(rows: list[dict], weights_bytes: int, everything=None) -> lis
 def floor_table(rows: list[dict]) -> list[str]:
     """Decode time against the bytes every step reads over the bandwidth."""
     rows = [r for r in rows if ok(r) and "floor_ms" in r]
+    rows = [
+        r for r in rows if "decode_ms_median" in r or "decode_pipelined_ms_median" in r
+    ]
     if not rows:
         return []
     lines = [
         (
-            "| context | scheme | fill, step | decode ms | KV floor ms "
-            "| weights + KV floor ms | decode / floor |"
+            "| context | scheme | fill, step | decode ms | pipelined decode ms "
+            "| KV floor ms | weights + KV floor ms | decode / floor |"
         ),
-        "|---:|---|---|---:|---:|---:|---:|",
+        "|---:|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         fill = "{}, {}".format(*row_fill(r))
+        sync, pipelined = (
+            r.get(f"{key}_ms_median") for key in ("decode", "decode_pipelined")
+        )
+        best = min(t for t in (sync, pipelined) if t is not None)
+        sync, pipelined = ("—" if t is None else f"{t:.2f}" for t in (sync, pipelined))
         lines.append(
-            f"| {r['context']} | {r['scheme']} | {fill} | {r['decode_ms_median']:.2f} "
+            f"| {r['context']} | {r['scheme']} | {fill} | {sync} | {pipelined} "
             f"| {r['kv_floor_ms']:.3f} | {r['floor_ms']:.3f} "
-            f"| {r['decode_ms_median'] / r['floor_ms']:.2f} |"
+            f"| {best / r['floor_ms']:.2f} |"
         )
     return lines
 
@@ -1049,6 +1126,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES))
     parser.add_argument("--decode-tokens", type=int, default=16, help="timed steps")
     parser.add_argument("--decode-warmup", type=int, default=3, help="untimed steps")
+    parser.add_argument(
+        "--decode-mode",
+        choices=sorted(DECODE_MODES),
+        default="both",
+        help="sync: evaluate each step before building the next; pipelined: queue "
+        "the next step first, as generate_step does (default: both, in that order)",
+    )
     parser.add_argument("--prefill-step", type=int, default=2048)
     parser.add_argument(
         "--fill",

@@ -61,6 +61,7 @@ def test_rows(run):
         assert "error" not in r and "skipped" not in r, r
         assert r["peak_bytes"] > r["kv_bytes"] > 0
         assert r["decode_tok_s"] > 0 and r["decode_steps"] == 3
+        assert r["decode_pipelined_tok_s"] > 0 and r["decode_pipelined_steps"] == 3
         assert r["prefill_logits_rel_err"] < 0.5, r
     assert report["weights_bytes"] > 0
     assert report["running"] is None
