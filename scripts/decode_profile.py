@@ -5,9 +5,11 @@ fp16), without the weights: per step and layer, the cache's
 ``update_and_fetch`` of one token and the attention of one query. Reported
 per token (all layers), median over the steps: the time to build the graph
 in Python, and build plus evaluation; for "update" (writes only), "attend"
-(attention only) and "step" (both). Then the fused kernel alone at one
+(attention only) and "step" (both), and "pipelined": steps queued before the
+previous one is waited for, as generate_step does (the interval per step). Then the fused kernel alone at one
 layer, over its launch shapes (warps per block, keys per block), with the
-combine kernel timed apart.
+combine kernel timed apart; ``--batch`` sequences make the device's time
+outweigh Python's per call.
 
     python3 scripts/decode_profile.py --contexts 4096,32768 --out $OUT/profile.json
 """
@@ -35,13 +37,13 @@ def parse_bits(name):
     return bits if len(bits) == 2 else bits[0]
 
 
-def filled_caches(name, context):
+def filled_caches(name, context, layers=LAYERS, batch=1):
     bits = parse_bits(name)
     make = KVCache if bits is None else lambda: QuantizedKVCache(64, bits)
-    caches = [make() for _ in range(LAYERS)]
+    caches = [make() for _ in range(layers)]
     chunk = 4096
-    k = mx.random.normal((1, N_KV, chunk, D)).astype(mx.float16)
-    v = mx.random.normal((1, N_KV, chunk, D)).astype(mx.float16)
+    k = mx.random.normal((batch, N_KV, chunk, D)).astype(mx.float16)
+    v = mx.random.normal((batch, N_KV, chunk, D)).astype(mx.float16)
     for start in range(0, context, chunk):
         n = min(chunk, context - start)
         for c in caches:
@@ -88,6 +90,34 @@ def run_steps(caches, part, k, v, q):
     return times
 
 
+def run_pipelined(caches, k, v, q):
+    """Per-step intervals when each step is queued before the previous one
+    is waited for, as generate_step does (reported as total_ms)."""
+
+    def queue(s):
+        outs = []
+        for i, c in enumerate(caches):
+            keys, values = c.update_and_fetch(k[s, i], v[s, i])
+            outs.append(
+                scaled_dot_product_attention(
+                    q[s, i], keys, values, cache=c, scale=SCALE, mask=None
+                )
+            )
+        mx.async_eval(outs)
+        return outs
+
+    times = []
+    pending = queue(0)
+    tic = time.perf_counter()
+    for s in range(1, k.shape[0] + 1):
+        following = queue(s) if s < k.shape[0] else None
+        mx.eval(pending)
+        times.append((0.0, time.perf_counter() - tic))
+        tic = time.perf_counter()
+        pending = following
+    return times
+
+
 def summarize(times, warmup=3):
     times = times[warmup:]
     return {
@@ -109,11 +139,15 @@ def profile_steps(opts):
     for context in opts.contexts:
         for name in opts.schemes:
             caches = filled_caches(name, context)
-            for part in ("update", "attend", "step"):
+            for part in ("update", "attend", "step", "pipelined"):
                 for c in caches:
                     c.trim(c.offset - context)
                 row = {"context": context, "scheme": name, "part": part}
-                row.update(summarize(run_steps(caches, part, k, v, q)))
+                if part == "pipelined":
+                    times = run_pipelined(caches, k, v, q)
+                else:
+                    times = run_steps(caches, part, k, v, q)
+                row.update(summarize(times))
                 rows.append(row)
                 print(
                     f"{context:>7} {name:>5} {part:>6}: build {row['build_ms']:.2f} ms,"
@@ -138,11 +172,12 @@ def time_calls(fn, calls=16, repeats=7):
 def profile_kernel(opts):
     """The kernel alone at one layer, over warps and keys per block."""
     rows = []
-    q = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
+    B = opts.batch
+    q = mx.random.normal((B, N_Q, 1, D)).astype(mx.float16)
     for context in opts.contexts:
-        cache = filled_caches("8,4", context)[0]
+        cache = filled_caches("8,4", context, layers=1, batch=B)[0]
         keys, values = cache.update_and_fetch(
-            mx.zeros((1, N_KV, 1, D), mx.float16), mx.zeros((1, N_KV, 1, D), mx.float16)
+            mx.zeros((B, N_KV, 1, D), mx.float16), mx.zeros((B, N_KV, 1, D), mx.float16)
         )
         length = cache.offset
         args = (keys, values, SCALE, length, 64, 8, 64, 4)
@@ -163,11 +198,11 @@ def profile_kernel(opts):
                 mask=None,
             )
         )
-        rows.append({"context": context, "kernel": "fp16 sdpa", "ms": sdpa})
+        rows.append({"context": context, "batch": B, "kernel": "fp16 sdpa", "ms": sdpa})
         print(f"{context:>7} fp16 sdpa: {sdpa:.3f} ms", flush=True)
-        modules = {"new": quantized_decode}
-        if opts.old_kernel:
-            modules["v1"] = load_kernel_module(opts.old_kernel)
+        modules = {"patched": quantized_decode}
+        for path in opts.old_kernel:
+            modules[path] = load_kernel_module(path)
         default_span = quantized_decode._decode_span
         for label, module in modules.items():
             ref = module.quantized_decode_attention(q, *args)
@@ -184,6 +219,7 @@ def profile_kernel(opts):
                     )
                     row = {
                         "context": context,
+                        "batch": B,
                         "kernel": label,
                         "warps": warps,
                         "span": span or "default",
@@ -201,9 +237,9 @@ def profile_kernel(opts):
         # the combine kernel alone, on partials of the default launch
         n_blocks = 128 * max(1, length // 32768)
         parts = (
-            mx.random.normal((N_KV, n_blocks, 4, D)),
-            mx.random.normal((N_KV, n_blocks, 4)),
-            mx.random.uniform(shape=(N_KV, n_blocks, 4)),
+            mx.random.normal((B * N_KV, n_blocks, 4, D)),
+            mx.random.normal((B * N_KV, n_blocks, 4)),
+            mx.random.uniform(shape=(B * N_KV, n_blocks, 4)),
         )
         mx.eval(parts)
         ms = time_calls(partial(quantized_decode._combine_partials, *parts, mx.float16))
@@ -222,7 +258,19 @@ def main():
     parser.add_argument("--parts", default="steps,kernel")
     parser.add_argument("--warps", default="4")
     parser.add_argument("--spans", default="0")
-    parser.add_argument("--old-kernel", help="another quantized_decode.py to compare")
+    parser.add_argument(
+        "--old-kernel",
+        action="append",
+        default=[],
+        help="another quantized_decode.py to compare (repeatable)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences in the kernel timings: with more, the device's time "
+        "outweighs Python's per call",
+    )
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
     opts.contexts = [int(c) for c in opts.contexts.split(",")]
