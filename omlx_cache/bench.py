@@ -408,8 +408,9 @@ def decode(model, cache, tokens, after_call, deadline, min_steps=3):
 def decode_pipelined(model, cache, tokens, after_call, deadline, min_steps=3):
     """Single-token steps as mlx-lm's ``generate_step`` runs them: each
     step's graph is built and queued (``mx.async_eval``) before the previous
-    step's result is waited for, so Python overlaps the GPU. The times are
-    the intervals between consecutive results."""
+    step's result is waited for, so Python overlaps the device. The times are
+    the intervals between consecutive results; the last token is only queued
+    behind the last timed step, so that every timed step had one behind it."""
 
     def queue(i):
         logits = model(tokens[None, i : i + 1], cache=cache)
@@ -420,15 +421,15 @@ def decode_pipelined(model, cache, tokens, after_call, deadline, min_steps=3):
     times = []
     pending = queue(0)
     tic = time.perf_counter()
-    for i in range(1, tokens.shape[0] + 1):
-        following = queue(i) if i < tokens.shape[0] else None
+    for i in range(1, tokens.shape[0]):
+        following = queue(i)
         mx.eval(pending)
         times.append(time.perf_counter() - tic)
         tic = time.perf_counter()
         pending = following
-        if pending is not None and tic > deadline and len(times) >= min_steps:
-            mx.eval(pending)
+        if tic > deadline and len(times) >= min_steps:
             break
+    mx.eval(pending)
     return times
 
 
@@ -447,7 +448,8 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
     n_decode = opts.decode_warmup + opts.decode_tokens
     modes = DECODE_MODES[opts.decode_mode]
     prompt = random_tokens(context, vocab, seed=context)
-    steps = random_tokens(n_decode * len(modes), vocab, seed=context + 1)
+    # the pipelined loop queues one token past its timed steps
+    steps = random_tokens(n_decode * len(modes) + 1, vocab, seed=context + 1)
     mx.eval(prompt, steps)
     budget = opts.case_budget or math.inf
     after_call = converter(scheme, opts.kv_group_size)
@@ -487,14 +489,19 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
         try:
             first = None
             for mode in modes:
-                mode_steps = steps[:n_decode] if first is None else steps[n_decode:]
                 if mode == "sync":
+                    sync_steps = steps[:n_decode]
                     times, first = decode(
-                        model, cache, mode_steps, after_call, deadline
+                        model, cache, sync_steps, after_call, deadline
                     )
                 else:
+                    start = n_decode if "sync" in modes else 0
                     times = decode_pipelined(
-                        model, cache, mode_steps, after_call, deadline
+                        model,
+                        cache,
+                        steps[start : start + n_decode + 1],
+                        after_call,
+                        deadline,
                     )
                 add_decode_times(row, times, opts.decode_warmup, DECODE_KEYS[mode])
         # upstream's decode attention raises on CUDA: keep the prefill numbers

@@ -186,3 +186,16 @@ def test_named_schemes(tmp_path):
     for name in ("codebook-3", "4+rotate+center"):
         r = bench.find(report["rows"], 512, name)
         assert r["prefill_logits_rel_err"] < 0.5 and r["kv_bytes"] > 0
+
+
+def test_decode_modes(tmp_path):
+    # generate_step's overlapped loop alone: its steps, no synchronous ones,
+    # and tables that show what was measured
+    report = tiny_run(
+        tmp_path, "--schemes", "fp16", "8,4", "--decode-mode", "pipelined"
+    )
+    for r in report["rows"]:
+        assert r["decode_pipelined_steps"] == 2 and r["decode_pipelined_tok_s"] > 0
+        assert "decode_tok_s" not in r and "error" not in r, r
+    text = bench.report_markdown(report)
+    assert "pipelined decode tok/s" in text and "| error |" not in text
