@@ -13,6 +13,8 @@ with the same weights as the patched model.
     python -m omlx_cache.bench --preset llama3-8b --contexts 4096,32768 \\
         --out bench.json --plot-dir docs --plot-prefix bench-gpu
     python -m omlx_cache.bench --merge a.json b.json --out all.json
+    python -m omlx_cache.bench --preset llama3-8b --batch 8 --fill synthetic \
+        --schemes fp16 8,4 4       # batched decode, as the server batches streams
 
 Schemes: ``fp16`` (mlx-lm's ``KVCache``, in the model's dtype), ``upstream-B``
 (upstream's ``QuantizedKVCache`` from the first token), ``upstream-B@S``
@@ -48,7 +50,13 @@ import mlx.core as mx
 import mlx_lm
 from mlx import nn
 from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, check_kv_quantization
+from mlx_lm.models.cache import (
+    BatchKVCache,
+    BatchQuantizedKVCache,
+    KVCache,
+    QuantizedKVCache,
+    check_kv_quantization,
+)
 
 from . import schemes as kv_schemes
 
@@ -295,8 +303,16 @@ def page_size(size: int | None):
 
 
 def make_cache(
-    scheme: Scheme, n_layers: int, tokens: int, group_size: int, upstream, model=None
+    scheme: Scheme,
+    n_layers: int,
+    tokens: int,
+    group_size: int,
+    upstream,
+    model=None,
+    batch: int = 1,
 ):
+    if batch > 1:
+        return make_batch_cache(scheme, n_layers, group_size, batch)
     if scheme.kind == "named":
         return kv_schemes.get_scheme(scheme.name, group_size).make_cache(model)
     if scheme.kind == "fp":
@@ -311,6 +327,20 @@ def make_cache(
         QuantizedKVCache(group_size, scheme.bits, reserve=reserve)
         for _ in range(n_layers)
     ]
+
+
+def make_batch_cache(scheme: Scheme, n_layers: int, group_size: int, batch: int):
+    """The caches of mlx-lm's batched generation (``BatchGenerator``): left
+    padding, the mask that drops it."""
+    padding = left_padding(batch)
+    if scheme.kind == "fp":
+        return [BatchKVCache(padding) for _ in range(n_layers)]
+    if scheme.kind == "ours" and not scheme.reserve:
+        return [
+            BatchQuantizedKVCache(padding, group_size, scheme.bits)
+            for _ in range(n_layers)
+        ]
+    raise ValueError(f"--batch takes fp16 and our B or K,V schemes, not {scheme.name}")
 
 
 def converter(scheme: Scheme, group_size: int):
@@ -345,8 +375,15 @@ class Setup:
     references: dict[int, tuple[mx.array, mx.array]] = field(default_factory=dict)
 
 
-def random_tokens(n: int, vocab: int, seed: int) -> mx.array:
-    return mx.random.randint(0, vocab, (n,), key=mx.random.key(seed))
+def random_tokens(n: int, vocab: int, seed: int, batch: int = 1) -> mx.array:
+    """(n, batch) tokens: a column per sequence."""
+    return mx.random.randint(0, vocab, (n, batch), key=mx.random.key(seed))
+
+
+def left_padding(batch: int) -> list[int]:
+    """The batch's padding (``--batch``): sequence i starts 37 * i tokens in,
+    as a batch of prompts of different lengths does."""
+    return [37 * i for i in range(batch)]
 
 
 def prefill(model, prompt, cache, step, after_call, deadline):
@@ -355,7 +392,7 @@ def prefill(model, prompt, cache, step, after_call, deadline):
     logits of the last position."""
     n = prompt.shape[0]
     for start in range(0, n, step):
-        hidden = model.model(prompt[None, start : start + step], cache=cache)
+        hidden = model.model(prompt[start : start + step].T, cache=cache)
         after_call(cache)
         last = hidden[:, -1:, :]
         mx.eval([c.state for c in cache], last)
@@ -368,12 +405,14 @@ def prefill(model, prompt, cache, step, after_call, deadline):
     return logits.reshape(-1)
 
 
-def synthetic_fill(model, context, cache, step, after_call, deadline):
+def synthetic_fill(model, prompt, cache, step, after_call, deadline):
     """Fill every layer's cache with random keys and values, ``step`` tokens
-    at a time, without running the model: decode speed does not depend on
-    the values, and no prefill attention runs. Returns no logits."""
+    at a time, as many as ``prompt`` has (and for as many sequences), without
+    running the model: decode speed does not depend on the values, and no
+    prefill attention runs. Returns no logits."""
+    context, batch = prompt.shape
     attention = model.model.layers[0].self_attn
-    shape = (1, attention.n_kv_heads, step, attention.head_dim)
+    shape = (batch, attention.n_kv_heads, step, attention.head_dim)
     dtype = model.model.norm.weight.dtype
     for start in range(0, context, step):
         n = min(step, context - start)
@@ -394,7 +433,7 @@ def decode(model, cache, tokens, after_call, deadline, min_steps=3):
     times, first = [], None
     for i in range(tokens.shape[0]):
         tic = time.perf_counter()
-        logits = model(tokens[None, i : i + 1], cache=cache)
+        logits = model(tokens[i : i + 1].T, cache=cache)
         after_call(cache)
         mx.eval(logits)
         times.append(time.perf_counter() - tic)
@@ -413,7 +452,7 @@ def decode_pipelined(model, cache, tokens, after_call, deadline, min_steps=3):
     behind the last timed step, so that every timed step had one behind it."""
 
     def queue(i):
-        logits = model(tokens[None, i : i + 1], cache=cache)
+        logits = model(tokens[i : i + 1].T, cache=cache)
         after_call(cache)
         mx.async_eval(logits)
         return logits
@@ -447,9 +486,12 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
     vocab = model.args.vocab_size
     n_decode = opts.decode_warmup + opts.decode_tokens
     modes = DECODE_MODES[opts.decode_mode]
-    prompt = random_tokens(context, vocab, seed=context)
+    batch = opts.batch
+    prompt = random_tokens(context, vocab, seed=context, batch=batch)
     # the pipelined loop queues one token past its timed steps
-    steps = random_tokens(n_decode * len(modes) + 1, vocab, seed=context + 1)
+    steps = random_tokens(
+        n_decode * len(modes) + 1, vocab, seed=context + 1, batch=batch
+    )
     mx.eval(prompt, steps)
     budget = opts.case_budget or math.inf
     after_call = converter(scheme, opts.kv_group_size)
@@ -463,6 +505,7 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
             opts.kv_group_size,
             setup.upstream_cache,
             model,
+            batch,
         )
         gc.collect()
         mx.clear_cache()
@@ -470,8 +513,7 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
         mx.reset_peak_memory()
         tic = time.perf_counter()
         fill = synthetic_fill if opts.fill == "synthetic" else prefill
-        source = prompt if opts.fill == "prefill" else context
-        logits = fill(model, source, cache, opts.prefill_step, after_call, tic + budget)
+        logits = fill(model, prompt, cache, opts.prefill_step, after_call, tic + budget)
         prefill_s = time.perf_counter() - tic
         peak = mx.get_peak_memory()
         kv_bytes = sum(c.nbytes for c in cache)
@@ -503,7 +545,8 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
                         after_call,
                         deadline,
                     )
-                add_decode_times(row, times, opts.decode_warmup, DECODE_KEYS[mode])
+                key = DECODE_KEYS[mode]
+                add_decode_times(row, times, opts.decode_warmup, key, batch)
         # upstream's decode attention raises on CUDA: keep the prefill numbers
         except Exception as e:  # noqa: BLE001
             row["decode_error"] = f"{type(e).__name__}: {e}"
@@ -527,7 +570,8 @@ DECODE_MODES = {
 DECODE_KEYS = {"sync": "decode", "pipelined": "decode_pipelined"}
 
 
-def add_decode_times(row: dict, times: list, warmup: int, key: str):
+def add_decode_times(row: dict, times: list, warmup: int, key: str, batch: int):
+    """Per-step times, and tokens/s over the batch's sequences."""
     timed = times[warmup:] or times[-1:]
     median = statistics.median(timed)
     row.update(
@@ -536,7 +580,7 @@ def add_decode_times(row: dict, times: list, warmup: int, key: str):
             f"{key}_ms": [round(t * 1e3, 3) for t in timed],
             f"{key}_ms_median": median * 1e3,
             f"{key}_ms_min": min(timed) * 1e3,
-            f"{key}_tok_s": 1 / median,
+            f"{key}_tok_s": batch / median,
         }
     )
 
@@ -633,6 +677,7 @@ def case_row(scheme: Scheme, context: int, sweep: bool, opts) -> dict:
         "sweep": sweep,
         "fill": opts.fill,
         "prefill_step": opts.prefill_step,
+        "batch": opts.batch,
     }
 
 
@@ -998,6 +1043,14 @@ def report_markdown(report: dict) -> str:
         f"bench {preset['name']} ({preset['dtype']}) on {device}, "
         + f"{report['date']}, mlx {report['versions']['mlx']}"
     ]
+    batch = report["args"].get("batch", 1)
+    if batch > 1:
+        padding = left_padding(batch)
+        note = (
+            f"{batch} sequences per step, left-padded by {padding} tokens (mlx-lm's "
+            "batch caches); tokens/s summed over them, decode ms per step"
+        )
+        lines += ["", note]
     for fill, step in sorted({row_fill(r) for r in report["rows"]}, key=str):
         rows = [r for r in report["rows"] if row_fill(r) == (fill, step)]
         lines += ["", f"Cache filled by {FILLS[fill]}, {step}-token steps", ""]
@@ -1133,6 +1186,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--schemes", nargs="+", default=list(DEFAULT_SCHEMES))
     parser.add_argument("--decode-tokens", type=int, default=16, help="timed steps")
     parser.add_argument("--decode-warmup", type=int, default=3, help="untimed steps")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="sequences decoded together, with left padding, in mlx-lm's batch "
+        "caches (fp16 and our schemes); tokens/s are summed over them",
+    )
     parser.add_argument(
         "--decode-mode",
         choices=sorted(DECODE_MODES),

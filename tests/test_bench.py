@@ -199,3 +199,25 @@ def test_decode_modes(tmp_path):
         assert "decode_tok_s" not in r and "error" not in r, r
     text = bench.report_markdown(report)
     assert "pipelined decode tok/s" in text and "| error |" not in text
+
+
+@pytest.mark.parametrize("fill", ["prefill", "synthetic"])
+def test_batch(tmp_path, fill):
+    # two left-padded sequences in mlx-lm's batch caches; a scheme without a
+    # batch cache is refused by name
+    args = ["--schemes", "fp16", "8,4", "4+rotate", "--batch", "2", "--fill", fill]
+    args += ["--page-size", "256"]
+    report = tiny_run(tmp_path, *args)
+    fp, ours, named = (bench.find(report["rows"], 512, s, fill) for s in bench_names())
+    for r in (fp, ours):
+        assert r["batch"] == 2 and "error" not in r, r
+        assert r["decode_tok_s"] > 0 and r["decode_pipelined_tok_s"] > 0
+    assert ours["kv_bytes"] < fp["kv_bytes"]
+    if fill == "prefill":
+        assert ours["prefill_logits_rel_err"] < 0.5
+    assert "4+rotate" in named["error"] and "--batch" in named["error"]
+    assert "2 sequences per step" in bench.report_markdown(report)
+
+
+def bench_names():
+    return ("fp16", "8,4", "4+rotate")
