@@ -524,7 +524,7 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
             peak_bytes=peak,
             workspace_bytes=peak - active - kv_bytes,
             prefill_s=prefill_s,
-            prefill_tok_s=context / prefill_s,
+            prefill_tok_s=context * batch / prefill_s,
         )
         mx.reset_peak_memory()
         deadline = time.perf_counter() + max(budget - prefill_s, 0)
@@ -1048,7 +1048,8 @@ def report_markdown(report: dict) -> str:
         padding = left_padding(batch)
         note = (
             f"{batch} sequences per step, left-padded by {padding} tokens (mlx-lm's "
-            "batch caches); tokens/s summed over them, decode ms per step"
+            "batch caches); prefill and decode tokens/s summed over them (padding "
+            "included), decode ms per step"
         )
         lines += ["", note]
     for fill, step in sorted({row_fill(r) for r in report["rows"]}, key=str):
