@@ -11,14 +11,10 @@ import json
 from functools import partial
 
 import mlx.core as mx
+from decode_kernel_check import dequantized
 from decode_profile import N_KV, N_Q, SCALE, D, filled_caches, time_calls
 from mlx_lm.models import quantized_decode
 from mlx_lm.models.base import scaled_dot_product_attention
-
-
-def dequantized(pages, bits, length):
-    full = [mx.dequantize(*p, group_size=64, bits=bits) for p in pages]
-    return mx.concatenate(full, axis=2)[:, :, :length]
 
 
 def check(context, batch, padding_step):
@@ -29,7 +25,8 @@ def check(context, batch, padding_step):
     q = mx.random.normal((batch, N_Q, 1, D)).astype(mx.float16)
     padding = padding_step * mx.arange(batch)
     mask = (mx.arange(length)[None] >= padding[:, None])[:, None, None]
-    k_hat, v_hat = dequantized(keys, 8, length), dequantized(values, 4, length)
+    k_hat = dequantized(keys, 64, 8, length)
+    v_hat = dequantized(values, 64, 4, length)
     mx.eval(k_hat, v_hat, mask)
 
     attend = partial(scaled_dot_product_attention, q, keys, values, cache=cache)

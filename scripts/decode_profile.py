@@ -6,10 +6,10 @@ fp16), without the weights: per step and layer, the cache's
 per token (all layers), median over the steps: the time to build the graph
 in Python, and build plus evaluation; for "update" (writes only), "attend"
 (attention only) and "step" (both), and "pipelined": steps queued before the
-previous one is waited for, as generate_step does (the interval per step). Then the fused kernel alone at one
-layer, over its launch shapes (warps per block, keys per block), with the
-combine kernel timed apart; ``--batch`` sequences make the device's time
-outweigh Python's per call.
+previous one is waited for, as generate_step does (the interval per step).
+Then the fused kernel alone at one layer, over its launch shapes (warps per
+block, keys per block), with the combine kernel timed apart; ``--batch``
+sequences make the device's time outweigh Python's per call.
 
     python3 scripts/decode_profile.py --contexts 4096,32768 --out $OUT/profile.json
 """
@@ -61,6 +61,26 @@ def step_inputs(steps):
     return k, v, q
 
 
+def layer_outputs(caches, part, k, v, q, s, fetched=None):
+    """Step ``s`` over all layers: the caches' writes ("update"), attention
+    over keys fetched before (``fetched``, "attend"), or both ("step")."""
+    outs = []
+    for i, c in enumerate(caches):
+        if part == "attend":
+            keys, values = fetched[i]
+        else:
+            keys, values = c.update_and_fetch(k[s, i], v[s, i])
+        if part == "update":
+            outs.append(keys[-1][0] if isinstance(keys, list) else keys)
+            continue
+        outs.append(
+            scaled_dot_product_attention(
+                q[s, i], keys, values, cache=c, scale=SCALE, mask=None
+            )
+        )
+    return outs
+
+
 def run_steps(caches, part, k, v, q):
     """Per-step (build seconds, total seconds) for ``part``."""
     times = []
@@ -70,20 +90,7 @@ def run_steps(caches, part, k, v, q):
         mx.eval([c.state for c in caches])
     for s in range(k.shape[0]):
         tic = time.perf_counter()
-        outs = []
-        for i, c in enumerate(caches):
-            if part == "attend":
-                keys, values = fetched[i]
-            else:
-                keys, values = c.update_and_fetch(k[s, i], v[s, i])
-            if part == "update":
-                outs.append(keys[-1][0] if isinstance(keys, list) else keys)
-                continue
-            outs.append(
-                scaled_dot_product_attention(
-                    q[s, i], keys, values, cache=c, scale=SCALE, mask=None
-                )
-            )
+        outs = layer_outputs(caches, part, k, v, q, s, fetched)
         built = time.perf_counter()
         mx.eval(outs)
         times.append((built - tic, time.perf_counter() - tic))
@@ -92,29 +99,24 @@ def run_steps(caches, part, k, v, q):
 
 def run_pipelined(caches, k, v, q):
     """Per-step intervals when each step is queued before the previous one
-    is waited for, as generate_step does (reported as total_ms)."""
+    is waited for, as generate_step does (reported as total_ms). The last
+    step is only queued, so that every timed step had one behind it."""
 
     def queue(s):
-        outs = []
-        for i, c in enumerate(caches):
-            keys, values = c.update_and_fetch(k[s, i], v[s, i])
-            outs.append(
-                scaled_dot_product_attention(
-                    q[s, i], keys, values, cache=c, scale=SCALE, mask=None
-                )
-            )
+        outs = layer_outputs(caches, "step", k, v, q, s)
         mx.async_eval(outs)
         return outs
 
     times = []
     pending = queue(0)
     tic = time.perf_counter()
-    for s in range(1, k.shape[0] + 1):
-        following = queue(s) if s < k.shape[0] else None
+    for s in range(1, k.shape[0]):
+        following = queue(s)
         mx.eval(pending)
         times.append((0.0, time.perf_counter() - tic))
         tic = time.perf_counter()
         pending = following
+    mx.eval(pending)
     return times
 
 
