@@ -20,7 +20,9 @@ Schemes: ``fp16`` (mlx-lm's ``KVCache``, in the model's dtype), ``upstream-B``
 (upstream's ``QuantizedKVCache`` from the first token), ``upstream-B@S``
 (upstream's default path: ``KVCache`` until S tokens, then converted), and
 ours: ``B`` or ``KB,VB`` (patched ``QuantizedKVCache``), ``+reserve`` to
-reserve the whole context up front, ``/pN`` for a page size of N tokens.
+reserve the whole context up front, ``/pN`` for a page size of N tokens,
+``/hN`` to hold N decode tokens unquantized (``QuantizedKVCache.decode_buffer``;
+``/h0``: quantize each one as it comes).
 Any other name is a scheme of ``omlx_cache.schemes`` (as ``python -m
 omlx_cache.eval --kv`` takes them), e.g. ``4+rotate``, ``codebook-3`` or
 ``codebook-3k-4v+center``.
@@ -254,6 +256,7 @@ class Scheme:
     bits: tuple[int, int] = (16, 16)
     reserve: bool = False
     page_size: int | None = None
+    decode_buffer: int | None = None
     quantized_start: int = 0
 
     @property
@@ -265,7 +268,7 @@ class Scheme:
         return f"upstream-{min(self.bits)}"
 
 
-OURS = re.compile(r"\d+(,\d+)?(\+reserve)?(/p\d+)?")
+OURS = re.compile(r"\d+(,\d+)?(\+reserve)?(/p\d+)?(/h\d+)?")
 
 
 def parse_scheme(name: str) -> Scheme:
@@ -274,7 +277,8 @@ def parse_scheme(name: str) -> Scheme:
     if not name.startswith("upstream-") and not OURS.fullmatch(name):
         kv_schemes.get_scheme(name)  # a clear error for an unknown name
         return Scheme(name, "named")
-    base, _, page = name.partition("/p")
+    base, _, held = name.partition("/h")
+    base, _, page = base.partition("/p")
     page_size = int(page) if page else None
     if base.startswith("upstream-"):
         bits, _, start = base.removeprefix("upstream-").partition("@")
@@ -284,7 +288,8 @@ def parse_scheme(name: str) -> Scheme:
     reserve = base.endswith("+reserve")
     bits = tuple(int(b) for b in base.removesuffix("+reserve").split(","))
     _, bits = check_kv_quantization(64, bits if len(bits) > 1 else bits[0])
-    return Scheme(name, "ours", bits, reserve=reserve, page_size=page_size)
+    decode_buffer = int(held) if held else None
+    return Scheme(name, "ours", bits, reserve, page_size, decode_buffer)
 
 
 @contextmanager
@@ -300,6 +305,10 @@ def setting(owner, name: str, value):
 
 def page_size(size: int | None):
     return setting(QuantizedKVCache, "page_size", size)
+
+
+def decode_buffer(size: int | None):
+    return setting(QuantizedKVCache, "decode_buffer", size)
 
 
 def make_cache(
@@ -497,7 +506,7 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
     after_call = converter(scheme, opts.kv_group_size)
     row = case_row(scheme, context, sweep, opts)
 
-    with page_size(scheme.page_size):
+    with page_size(scheme.page_size), decode_buffer(scheme.decode_buffer):
         cache = make_cache(
             scheme,
             n_layers,

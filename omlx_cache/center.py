@@ -210,11 +210,11 @@ class _Centering:
 
 
 class _Centered(_Centering):
-    """Centering for mlx-lm's affine caches: around their ``_quantize`` and
+    """Centering for mlx-lm's affine caches: around their ``_transform`` and
     ``scaled_dot_product_attention``; the state gets three more items."""
 
-    def _quantize(self, keys, values):
-        return super()._quantize(*self._center(keys, values))
+    def _transform(self, keys, values):
+        return super()._transform(*self._center(keys, values))
 
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None

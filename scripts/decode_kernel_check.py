@@ -83,7 +83,7 @@ def correctness(report, path):
         k = k.astype(dtype)
         v = mx.random.normal((B, n_kv, T, D)).astype(dtype)
         k_pages, v_pages = make_pages(k, kg, kb), make_pages(v, vg, vb)
-        if not quantized_decode.applies(q, None, k_pages, kb, vb, T):
+        if not quantized_decode.applies(q, None, k_pages, v_pages, kb, vb, T):
             raise SystemExit("the decode kernel does not apply here (no CUDA?)")
         out = quantized_decode.quantized_decode_attention(
             q, k_pages, v_pages, D**-0.5, T, kg, kb, vg, vb

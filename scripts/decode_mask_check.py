@@ -39,7 +39,7 @@ def check(context, batch, padding_step):
     return {
         "context": context,
         "batch": batch,
-        "kernel_applies": quantized_decode.applies(q, mask, keys, 8, 4, length),
+        "kernel_applies": quantized_decode.applies(q, mask, keys, values, 8, 4, length),
         "rel_err": rel_err,
         "fp16_sdpa_masked_ms": time_calls(partial(sdpa, scale=SCALE, mask=mask)),
         "kernel_masked_ms": time_calls(partial(attend, scale=SCALE, mask=mask)),

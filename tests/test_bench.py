@@ -122,6 +122,9 @@ def test_parse_scheme():
     late = bench.parse_scheme("upstream-4@5000")
     assert (late.kind, late.bits, late.quantized_start) == ("upstream", (4, 4), 5000)
     assert bench.parse_scheme("fp16").kind == "fp"
+    held = bench.parse_scheme("4/p128/h0")
+    assert (held.page_size, held.decode_buffer) == (128, 0)
+    assert bench.parse_scheme("8,4").decode_buffer is None
     with pytest.raises(ValueError):
         bench.parse_scheme("7")
 
@@ -199,6 +202,21 @@ def test_decode_modes(tmp_path):
         assert "decode_tok_s" not in r and "error" not in r, r
     text = bench.report_markdown(report)
     assert "pipelined decode tok/s" in text and "| error |" not in text
+
+
+def test_decode_buffer(tmp_path):
+    # decode tokens held unquantized (/h4) or not (/h0): on the CPU attention
+    # quantizes the held ones first, so the decode logits are the same; the
+    # class default is restored after the run
+    report = tiny_run(
+        tmp_path, "--schemes", "fp16", "8,4/h0", "8,4/h4", "--decode-mode", "sync"
+    )
+    errors = [
+        bench.find(report["rows"], 512, name)["decode_logits_rel_err"]
+        for name in ("8,4/h0", "8,4/h4")
+    ]
+    assert errors[0] == errors[1] and 0 < errors[0] < 0.5
+    assert QuantizedKVCache.decode_buffer is None
 
 
 @pytest.mark.parametrize("fill", ["prefill", "synthetic"])
