@@ -223,14 +223,19 @@ def finish_module(module: nn.Module, dtype, weights):
     mx.eval(module.parameters())
 
 
+def build_model(preset: dict, dtype, seed: int = 0):
+    """The patched llama at ``preset``'s shape, with random weights."""
+    mx.random.seed(seed)
+    model = llama.Model(model_args(llama, preset))
+    for layer in model.model.layers:
+        finish_module(layer, dtype, preset["weights"])
+    finish_module(model, dtype, preset["weights"])
+    return model
+
+
 def build_models(preset: dict, dtype, seed: int = 0):
     """The patched and the pristine llama with one set of weights."""
-    mx.random.seed(seed)
-    ours = llama.Model(model_args(llama, preset))
-    for layer in ours.model.layers:
-        finish_module(layer, dtype, preset["weights"])
-    finish_module(ours, dtype, preset["weights"])
-
+    ours = build_model(preset, dtype, seed)
     pristine_llama, _ = import_pristine()
     upstream = pristine_llama.Model(model_args(pristine_llama, preset))
     if preset["weights"] is not None:
@@ -466,10 +471,19 @@ def decode_pipelined(model, cache, tokens, after_call, deadline, min_steps=3):
         mx.async_eval(logits)
         return logits
 
+    return pipelined_intervals(queue, tokens.shape[0], deadline, min_steps)
+
+
+def pipelined_intervals(queue, n_steps, deadline=math.inf, min_steps=3):
+    """Seconds between consecutive results of steps 0 to ``n_steps - 1``, each
+    queued by ``queue(i)`` (which builds and ``mx.async_eval``s step i) before
+    the previous one is waited for. The last step is only queued, so that
+    every timed step had one behind it; past ``deadline`` (perf_counter) the
+    loop stops once ``min_steps`` are timed."""
     times = []
     pending = queue(0)
     tic = time.perf_counter()
-    for i in range(1, tokens.shape[0]):
+    for i in range(1, n_steps):
         following = queue(i)
         mx.eval(pending)
         times.append(time.perf_counter() - tic)

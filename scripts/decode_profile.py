@@ -26,6 +26,8 @@ from mlx_lm.models import quantized_decode
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
+from omlx_cache.bench import pipelined_intervals
+
 LAYERS, N_Q, N_KV, D = 32, 32, 8, 128
 SCALE = D**-0.5
 
@@ -107,17 +109,7 @@ def run_pipelined(caches, k, v, q):
         mx.async_eval(outs)
         return outs
 
-    times = []
-    pending = queue(0)
-    tic = time.perf_counter()
-    for s in range(1, k.shape[0]):
-        following = queue(s)
-        mx.eval(pending)
-        times.append((0.0, time.perf_counter() - tic))
-        tic = time.perf_counter()
-        pending = following
-    mx.eval(pending)
-    return times
+    return [(0.0, t) for t in pipelined_intervals(queue, k.shape[0])]
 
 
 def summarize(times, warmup=3):

@@ -20,19 +20,9 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models import llama
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from omlx_cache import bench
-
-
-def build_model(preset: dict, dtype):
-    mx.random.seed(0)
-    model = llama.Model(bench.model_args(llama, preset))
-    for layer in model.model.layers:
-        bench.finish_module(layer, dtype, preset["weights"])
-    bench.finish_module(model, dtype, preset["weights"])
-    return model
 
 
 def parse(name: str):
@@ -98,7 +88,7 @@ def main():
     opts = parser.parse_args()
     preset = bench.PRESETS[opts.preset]
     dtype = getattr(mx, preset.get("dtype", "float16"))
-    model = build_model(preset, dtype)
+    model = bench.build_model(preset, dtype)
     vocab = model.args.vocab_size
     for name in opts.schemes:
         run(model, name, opts.warmup, 8, vocab)
