@@ -34,6 +34,8 @@ CASES = [
     (64, 4, 1, 2, 32, 2, 32, 1000, 1, mx.float16),
     (256, 16, 2, 8, 64, 4, 64, 2000, 1, mx.bfloat16),
     (256, 8, 4, 4, 128, 8, 128, 4097, 1, mx.float16),
+    # 34 pages: two launches and the combine kernel
+    (64, 4, 1, 4, 64, 4, 64, 33 * 4096 + 5, 1, mx.float16),
 ]
 
 
