@@ -236,7 +236,10 @@ def profile_kernel(opts):
             mx.random.uniform(shape=(B * N_KV, n_blocks, 4)),
         )
         mx.eval(parts)
-        ms = time_calls(partial(quantized_decode._combine_partials, *parts, mx.float16))
+        combine = partial(
+            quantized_decode._combine_partials, *parts, mx.float16, (B, N_Q, 1, D)
+        )
+        ms = time_calls(combine)
         rows.append(
             {"context": context, "kernel": "combine", "blocks": n_blocks, "ms": ms}
         )
