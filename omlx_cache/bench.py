@@ -594,16 +594,21 @@ DECODE_KEYS = {"sync": "decode", "pipelined": "decode_pipelined"}
 
 
 def add_decode_times(row: dict, times: list, warmup: int, key: str, batch: int):
-    """Per-step times, and tokens/s over the batch's sequences."""
+    """Per-step times, and tokens/s over the batch's sequences: from the
+    median step, and from the steps' total time (a pipelined loop's steps
+    alternate long and short, which the median does not average out)."""
     timed = times[warmup:] or times[-1:]
     median = statistics.median(timed)
+    mean = statistics.mean(timed)
     row.update(
         {
             f"{key}_steps": len(timed),
             f"{key}_ms": [round(t * 1e3, 3) for t in timed],
             f"{key}_ms_median": median * 1e3,
+            f"{key}_ms_mean": mean * 1e3,
             f"{key}_ms_min": min(timed) * 1e3,
             f"{key}_tok_s": batch / median,
+            f"{key}_tok_s_mean": batch / mean,
         }
     )
 
@@ -990,24 +995,29 @@ def markdown_table(rows: list[dict], weights_bytes: int, everything=None) -> lis
             f"| workspace {unit} | prefill tok/s | decode tok/s | peak / fp16 "
             "| peak / upstream | decode / fp16 | decode / upstream "
             "| pipelined decode tok/s | pipelined / fp16 "
+            "| pipelined tok/s, all steps | all steps / fp16 "
             "| logits err (prefill, decode) |"
         ),
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in rows:
         head = f"| {row['context']} | {row['scheme']} | {weights_bytes / scale:.3f} |"
         if not ok(row):
             note = (row.get("error") or row.get("skipped", "")).replace("|", "/")
-            lines.append(f"{head} {note[:120]} |" + " |" * 11)
+            lines.append(f"{head} {note[:120]} |" + " |" * 13)
             continue
         fill, step = row_fill(row)
         counterpart = parse_scheme(row["scheme"]).counterpart
         fp = find(everything, row["context"], "fp16", fill, step)
         up = find(everything, row["context"], counterpart, fill, step)
         missing = "error" if "decode_error" in row else "—"
-        decode, pipelined = (
+        decode, pipelined, pipelined_mean = (
             f"{row[key]:.1f}" if ok(row, key) else missing
-            for key in ("decode_tok_s", "decode_pipelined_tok_s")
+            for key in (
+                "decode_tok_s",
+                "decode_pipelined_tok_s",
+                "decode_pipelined_tok_s_mean",
+            )
         )
         errors = [row.get(f"{k}_logits_rel_err") for k in ("prefill", "decode")]
         errors = ", ".join("—" if e is None else f"{e:.3g}" for e in errors)
@@ -1017,7 +1027,8 @@ def markdown_table(rows: list[dict], weights_bytes: int, everything=None) -> lis
             f"| {decode} | {ratio(row, fp, 'peak_bytes')} "
             f"| {ratio(row, up, 'peak_bytes')} | {ratio(row, fp, 'decode_tok_s')} "
             f"| {ratio(row, up, 'decode_tok_s')} | {pipelined} "
-            f"| {ratio(row, fp, 'decode_pipelined_tok_s')} | {errors} |"
+            f"| {ratio(row, fp, 'decode_pipelined_tok_s')} | {pipelined_mean} "
+            f"| {ratio(row, fp, 'decode_pipelined_tok_s_mean')} | {errors} |"
         )
     return lines
 
