@@ -199,9 +199,14 @@ def test_decode_modes(tmp_path):
     )
     for r in report["rows"]:
         assert r["decode_pipelined_steps"] == 2 and r["decode_pipelined_tok_s"] > 0
+        # tokens/s over the steps' total time, next to the median step's
+        mean = sum(r["decode_pipelined_ms"]) / len(r["decode_pipelined_ms"])
+        assert r["decode_pipelined_ms_mean"] == pytest.approx(mean, rel=1e-3)
+        assert r["decode_pipelined_tok_s_mean"] == pytest.approx(1e3 / mean, rel=1e-3)
         assert "decode_tok_s" not in r and "error" not in r, r
     text = bench.report_markdown(report)
     assert "pipelined decode tok/s" in text and "| error |" not in text
+    assert "pipelined tok/s, all steps" in text
 
 
 def test_decode_buffer(tmp_path):

@@ -31,6 +31,7 @@ def test_rows(generate_speed, tmp_path, monkeypatch):
     assert list(rows) == ["fp16", "8,4", "8,4/r0", "8,4/h0"]
     for r in rows.values():
         assert r["decode_tok_s"] > 0 and r["first_token_s"] > 0
+        assert r["decode_tok_s_all_steps"] > 0 and r["decode_all_steps_vs_fp16"] > 0
     # generate_step reserves the prompt and max_tokens in one page; unreserved,
     # 4,200 tokens take two 4,096-token pages
     assert rows["8,4"]["pages"] == rows["8,4/h0"]["pages"] == 1
