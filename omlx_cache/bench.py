@@ -940,8 +940,11 @@ def run_bench(options: argparse.Namespace) -> dict:
 
 
 def tile_scores() -> int | None:
+    """Scores per attention tile in the patched tree (None in one without)."""
     from mlx_lm.models import base
 
+    if hasattr(base, "quantized_sdpa_tile_scores"):
+        return base.quantized_sdpa_tile_scores()
     return getattr(base, "QUANTIZED_SDPA_TILE_SCORES", None)
 
 
@@ -1249,7 +1252,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--tile-scores",
         type=int,
-        help="base.QUANTIZED_SDPA_TILE_SCORES: scores per attention tile",
+        help="base.QUANTIZED_SDPA_TILE_SCORES: scores per attention tile "
+        "(default: the device's, 2^24, or 2^26 on CUDA)",
     )
     parser.add_argument(
         "--sweep-schemes",

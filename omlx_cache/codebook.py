@@ -475,7 +475,7 @@ def codebook_scaled_dot_product_attention(
             )
             carry = tile_out if carry is None else carry * correction + tile_out
             running_max = new_max
-            if L > 1 and scores.size >= base.QUANTIZED_SDPA_TILE_SCORES // 64:
+            if L > 1 and scores.size >= base.quantized_sdpa_tile_scores() // 64:
                 # finish a prefill tile before the next begins, or lazily
                 # every tile's scores would exist at once
                 mx.eval(carry, running_max)
