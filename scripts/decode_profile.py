@@ -229,7 +229,8 @@ def profile_kernel(opts):
             module.WARPS = 4
             module._decode_span = default_span
         # the combine kernel alone, on partials of the default launch
-        n_blocks = 128 * max(1, length // 32768)
+        span = quantized_decode._decode_span(length, B * N_KV)
+        n_blocks = -(-length // span)
         parts = (
             mx.random.normal((B * N_KV, n_blocks, 4, D)),
             mx.random.normal((B * N_KV, n_blocks, 4)),
