@@ -939,13 +939,11 @@ def run_bench(options: argparse.Namespace) -> dict:
     return report
 
 
-def tile_scores() -> int | None:
-    """Scores per attention tile in the patched tree (None in one without)."""
+def tile_scores() -> int:
+    """Scores per attention tile in the patched tree."""
     from mlx_lm.models import base
 
-    if hasattr(base, "quantized_sdpa_tile_scores"):
-        return base.quantized_sdpa_tile_scores()
-    return getattr(base, "QUANTIZED_SDPA_TILE_SCORES", None)
+    return base.quantized_sdpa_tile_scores()
 
 
 # --- reporting -----------------------------------------------------------------

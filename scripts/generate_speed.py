@@ -100,15 +100,12 @@ def main():
         fp16 = None
         for name in opts.schemes:
             row = run(model, name, context, opts.tokens, vocab)
-            if name == "fp16":
-                fp16 = row["decode_tok_s"], row["decode_tok_s_all_steps"]
-            for i, (key, name_vs) in enumerate(
-                (
-                    ("decode_tok_s", "decode_vs_fp16"),
-                    ("decode_tok_s_all_steps", "decode_all_steps_vs_fp16"),
-                )
+            fp16 = row if name == "fp16" else fp16
+            for key, key_vs in (
+                ("decode_tok_s", "decode_vs_fp16"),
+                ("decode_tok_s_all_steps", "decode_all_steps_vs_fp16"),
             ):
-                row[name_vs] = row[key] / fp16[i] if fp16 else None
+                row[key_vs] = row[key] / fp16[key] if fp16 else None
             rows.append(row)
             ratio = ""
             if fp16:
