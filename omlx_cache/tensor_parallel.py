@@ -24,7 +24,7 @@ each rank holds from the cache layout:
 
 import argparse
 import json
-import os
+import math
 import re
 import shutil
 import socket
@@ -305,6 +305,10 @@ def launch_command(ranks: int, port: int, args: list[str]) -> list[str]:
     """``mlx.launch`` running ``python -m omlx_cache.tensor_parallel ARGS`` on
     ``ranks`` processes on 127.0.0.1 with the ring backend."""
     launcher = Path(sys.executable).parent / "mlx.launch"
+    if not launcher.exists():
+        launcher = shutil.which("mlx.launch")
+    if launcher is None:
+        raise FileNotFoundError("mlx.launch (installed with mlx) is not on PATH.")
     return [
         str(launcher),
         "--backend",
@@ -329,9 +333,8 @@ def launch(model_dir, out_dir, cases, ranks=2, max_tokens=MAX_TOKENS, timeout=60
     for name in cases:
         args += ["--case", name]
     command = launch_command(ranks, free_ports(ranks), args)
-    env = dict(os.environ, PYTHONPATH=str(models.REPO_ROOT))
     done = subprocess.run(
-        command, env=env, timeout=timeout, capture_output=True, text=True, check=False
+        command, timeout=timeout, capture_output=True, text=True, check=False
     )
     if done.returncode != 0:
         raise RuntimeError(
@@ -505,6 +508,131 @@ def layout_table(rows: list[dict]) -> list[str]:
 
 
 # ---------------------------------------------------------------------------
+# Measured on each rank: a real shape, caches filled to a context
+
+MEASURE_PRESETS = {
+    "tp-llama": {
+        "config": {**TP_LLAMA_CONFIG, "vocab_size": 512},
+        "dtype": "float32",
+        "weights": None,
+    },
+}
+
+
+def measure_preset(name: str) -> dict:
+    from . import bench
+
+    if name in MEASURE_PRESETS:
+        return MEASURE_PRESETS[name]
+    if name in bench.PRESETS:
+        return bench.PRESETS[name]
+    known = sorted({*MEASURE_PRESETS, *bench.PRESETS})
+    raise ValueError(f"Unknown preset {name!r}; known: {known}.")
+
+
+def preset_shape(preset: dict) -> Shape:
+    config = preset["config"]
+    heads = config["num_attention_heads"]
+    return Shape(
+        layers=config["num_hidden_layers"],
+        kv_heads=config.get("num_key_value_heads", heads),
+        head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+        dtype_bytes=getattr(mx, preset["dtype"]).size,
+    )
+
+
+def held_tokens(name: str, shape: Shape, kv_heads: int) -> int:
+    """Decode tokens a quantized cache holds unquantized here (patch 0009:
+    ``decode_buffer`` tokens, by default 32 where the CUDA decode kernel
+    runs, else none)."""
+    from mlx_lm.models import quantized_decode
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    quantization = scheme_quantization(name)
+    if quantization is None:
+        return 0
+    if QuantizedKVCache.decode_buffer is not None:
+        return QuantizedKVCache.decode_buffer
+    dtype = {2: mx.float16, 4: mx.float32}[shape.dtype_bytes]
+    x = mx.zeros((1, kv_heads, 1, shape.head_dim), dtype)
+    (kb, _), (vb, _) = quantization
+    return 32 if quantized_decode.takes_held_tokens(x, x, kb, vb) else 0
+
+
+def measure(preset_name, schemes, contexts, out_dir, decode_steps=4, step=4096):
+    """On this rank: the preset's random-weight llama sharded over the ranks;
+    per scheme and context, caches reserved for ``context`` tokens (as
+    ``generate_step`` reserves them) filled with ``context - decode_steps``
+    random keys and values (memory does not depend on the values), then
+    ``decode_steps`` decode steps through the sharded model. Writes
+    ``measure-rank{R}.json``: each rank's KV heads and cache bytes against the
+    layout's."""
+    from mlx_lm.generate import reserve_quantized_cache
+
+    from . import bench
+
+    group = mx.distributed.init()
+    rank, size = group.rank(), group.size()
+    preset = measure_preset(preset_name)
+    shape = preset_shape(preset)
+    model = bench.build_model(preset, getattr(mx, preset["dtype"]))
+    if size > 1:
+        model.shard(group)
+    mx.eval(model.parameters())
+    vocab = preset["config"]["vocab_size"]
+    report = {"preset": preset_name, "ranks": size, "rank": rank, "rows": []}
+    report["device"] = str(mx.default_device())
+    for name in schemes:
+        for context in contexts:
+            cache = kv_schemes.get_scheme(name).make_cache(model)
+            reserve_quantized_cache(cache, context)
+            mx.reset_peak_memory()
+            start = time.perf_counter()
+            prompt = mx.zeros((context - decode_steps, 1), mx.int32)
+            bench.synthetic_fill(model, prompt, cache, step, lambda c: None, math.inf)
+            fill_s = time.perf_counter() - start
+            tokens = bench.random_tokens(decode_steps, vocab, seed=1)
+            times, _ = bench.decode(model, cache, tokens, lambda c: None, math.inf)
+            heads = kv_heads(cache[0])
+            row = {
+                "scheme": name,
+                "context": context,
+                "kv_heads": heads,
+                "nbytes": sum(c.nbytes for c in cache),
+                "layout": kv_bytes_per_rank(
+                    name, shape, context, size, held_tokens(name, shape, heads)
+                ),
+                "peak_memory": mx.get_peak_memory(),
+                "fill_s": round(fill_s, 2),
+                "decode_ms": round(1e3 * float(np.median(times)), 2),
+            }
+            report["rows"].append(row)
+            log(f"rank {rank}/{size} {row}")
+            del cache
+            mx.clear_cache()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"measure-rank{rank}.json").write_text(json.dumps(report, indent=1))
+    return report
+
+
+def measure_table(reports: list[dict]) -> list[str]:
+    """Markdown: each rank's measured KV bytes next to the layout's."""
+    lines = [
+        "| KV cache | context | rank | KV heads | nbytes | layout | equal | peak memory |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
+    for report in reports:
+        for r in report["rows"]:
+            lines.append(
+                f"| {r['scheme']} | {r['context']:,} | {report['rank']} "
+                f"| {r['kv_heads']} | {r['nbytes']:,} | {r['layout']:,} "
+                f"| {r['nbytes'] == r['layout']} | {r['peak_memory'] / GIB:.2f} GiB |"
+            )
+    return lines
+
+
+# ---------------------------------------------------------------------------
 # Comparison with one process
 
 
@@ -637,6 +765,12 @@ def main(argv=None):
     p.add_argument("one")
     p.add_argument("sharded")
     p.add_argument("--ranks", type=int, default=2)
+    p = sub.add_parser("measure", help="each rank's KV bytes at a real shape")
+    p.add_argument("--preset", default="llama3-8b")
+    p.add_argument("--kv", action="append", help="schemes (default fp16, 8,4, 4)")
+    p.add_argument("--contexts", default="32768,131072")
+    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--out", required=True)
     p = sub.add_parser("layout", help="KV bytes per rank at a Llama-3-8B shape")
     p.add_argument("--kv", action="append", help="schemes (default fp16, 8,4, 4)")
     p.add_argument("--contexts", default="32768,131072")
@@ -651,6 +785,16 @@ def main(argv=None):
         rows = compare(one, read_reports(args.sharded, args.ranks))
         print("\n".join(comparison_table(rows)))
         return 0 if all(passed(r) for r in rows) else 1
+    elif args.command == "measure":
+        report = measure(
+            args.preset,
+            args.kv or ["fp16", "8,4", "4"],
+            [int(c) for c in args.contexts.split(",")],
+            args.out,
+            args.decode_steps,
+        )
+        print("\n".join(measure_table([report])))
+        return 0 if all(r["nbytes"] == r["layout"] for r in report["rows"]) else 1
     elif args.command == "layout":
         rows = layout_rows(
             args.kv or ["fp16", "8,4", "4"],
