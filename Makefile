@@ -18,21 +18,23 @@ RUN := $(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS) )
 HOST ?= 127.0.0.1
 PORT ?= 8080
 VERSION ?=
+# make check-series K=3: only the prefix of 3 patches (default: every prefix)
+K ?=
 
 .PHONY: check-series vendor apply unapply refresh env test test-upstream test-ours lint models standin serve eval bench upstream-check clean
 
 vendor:
-	scripts/vendor.sh
+	scripts/series/vendor.sh
 
 apply:
-	scripts/patches.sh apply
+	scripts/series/patches.sh apply
 	scripts/env.sh
 
 unapply:
-	scripts/patches.sh unapply
+	scripts/series/patches.sh unapply
 
 refresh:
-	scripts/patches.sh refresh
+	scripts/series/patches.sh refresh
 
 env:
 	scripts/env.sh
@@ -49,7 +51,7 @@ test-ours: standin
 lint:
 	$(PY) -m ruff check omlx_cache scripts tests
 	$(PY) -m ruff format --check omlx_cache scripts tests
-	$(PY) scripts/lint_patches.py
+	$(PY) scripts/series/lint_patches.py
 
 models:
 	$(PY) -m omlx_cache.models all --out models
@@ -75,11 +77,11 @@ bench:
 	$(RUN)$(PY) -m omlx_cache.bench --out docs/bench-cpu.json --plot-dir docs $(BENCH_ARGS)
 
 check-series: standin
-	scripts/check_series.sh
+	scripts/series/check_series.sh $(K)
 
 upstream-check:
 	@test -n "$(VERSION)" || { echo "usage: make upstream-check VERSION=x.y.z" >&2; exit 2; }
-	scripts/patches.sh check $(VERSION)
+	scripts/series/patches.sh check $(VERSION)
 
 clean:
 	rm -rf vendor/mlx-lm vendor/check vendor/.cache .venv models

@@ -1,4 +1,4 @@
-"""The vendor and patch-series scripts on a scratch copy of the project.
+"""The vendor and patch-series scripts (scripts/series/) on a scratch copy of the project.
 
 Uses the sdist that `make vendor` keeps in vendor/.cache (no download).
 """
@@ -21,7 +21,7 @@ PIN = dict(
 def project(tmp_path):
     sdist = ROOT / "vendor/.cache" / PIN["file"]
     if not sdist.exists():
-        subprocess.run([ROOT / "scripts/vendor.sh"], check=True)
+        subprocess.run([ROOT / "scripts/series/vendor.sh"], check=True)
     shutil.copytree(ROOT / "scripts", tmp_path / "scripts")
     shutil.copytree(ROOT / "patches", tmp_path / "patches")
     (tmp_path / "vendor/.cache").mkdir(parents=True)
@@ -32,7 +32,7 @@ def project(tmp_path):
 
 def run(project, *args):
     return subprocess.run(
-        [str(project / "scripts" / args[0]), *args[1:]],
+        [str(project / "scripts/series" / args[0]), *args[1:]],
         cwd=project,
         capture_output=True,
         text=True,
@@ -94,3 +94,4 @@ def test_empty_series_and_refresh(project):
     assert (project / "patches/series").read_text().split() == ["0001-Add-a-note.patch"]
     assert run(project, "patches.sh", "unapply").returncode == 0
     assert not (tree / "NOTE.txt").exists()
+

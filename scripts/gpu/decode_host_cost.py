@@ -11,7 +11,7 @@ same kernel filling its outputs (``init_value``), fp16 SDPA over the
 context, and the quantized decode attention (kernel plus combine) over one
 page and over 4,096-token pages.
 
-    python3 scripts/decode_host_cost.py --context 32768 --out $OUT/host-cost.json
+    python3 scripts/gpu/decode_host_cost.py --context 32768 --out $OUT/host-cost.json
 """
 
 import argparse

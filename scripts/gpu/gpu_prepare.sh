@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Bundle the CUDA build of MLX (and optional FILEs) for the lent GPU machine, as chunks that fit the
 # device tool's 64 MiB per call. Follows ../shared/device/README.md:
-#   scripts/gpu_prepare.sh [FILE ...]      FILEs relative to the project root
+#   scripts/gpu/gpu_prepare.sh [FILE ...]      FILEs relative to the project root
 # writes .w1/ .w2/ ... (git-ignored) and prints the run commands: each .wK but the last is sent as
 #   mkdir -p /root/wh && cp .wK/chunk.* /root/wh/
 # and the last (carry .wN and vendor/mlx-lm) as
 #   . .wN/install-on-gpu.sh && python3 -m omlx_cache.bench ...
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 mlx_version=$(sed -n 's/^mlx==//p' requirements.txt)
 chunk_mb=${CHUNK_MB:-56}
 work=$(mktemp -d)

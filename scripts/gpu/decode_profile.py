@@ -11,7 +11,7 @@ Then the fused kernel alone at one layer, over its launch shapes (warps per
 block, keys per block), with the combine kernel timed apart; ``--batch``
 sequences make the device's time outweigh Python's per call.
 
-    python3 scripts/decode_profile.py --contexts 4096,32768 --out $OUT/profile.json
+    python3 scripts/gpu/decode_profile.py --contexts 4096,32768 --out $OUT/profile.json
 """
 
 import argparse

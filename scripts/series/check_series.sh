@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Bisectability: apply each prefix of patches/series to a fresh pristine copy and run upstream's
 # suite against it (the prefix's own mlx_lm, put first on PYTHONPATH), with the deselect list.
-#   scripts/check_series.sh [K]     only the prefix of K patches
+#   scripts/series/check_series.sh [K]     only the prefix of K patches
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 root=$PWD
 mapfile -t names < <(sed -e 's/#.*//' -e 's/[[:space:]]*$//' patches/series | grep -v '^$')
 deselect=()
@@ -13,7 +13,7 @@ export HF_HUB_OFFLINE=1 HF_HUB_CACHE="$root/models/hub" TOKENIZERS_PARALLELISM=f
 status=0
 for k in $(seq "${1:-1}" "${1:-${#names[@]}}"); do
     dir=vendor/check/series-$k
-    scripts/vendor.sh "$dir" >/dev/null 2>&1 || { echo "check-series: could not vendor $dir"; exit 1; }
+    scripts/series/vendor.sh "$dir" >/dev/null 2>&1 || { echo "check-series: could not vendor $dir"; exit 1; }
     for name in "${names[@]:0:$k}"; do
         git -C "$dir" am -q --keep-cr "$root/patches/$name" || { echo "prefix $k: $name does not apply"; status=1; continue 2; }
     done

@@ -3,7 +3,7 @@ a boolean mask against float32 attention (correctness) and against fp16 SDPA
 with the same mask over the dequantized cache (speed), at one layer of a
 Llama-3-8B shape (32 q / 8 kv heads, D=128, 8,4 cache).
 
-    python3 scripts/decode_mask_check.py --batch 8 --contexts 4096,32768 --out $OUT/mask.json
+    python3 scripts/gpu/decode_mask_check.py --batch 8 --contexts 4096,32768 --out $OUT/mask.json
 """
 
 import argparse

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The patch-series workflow over vendor/mlx-lm (a git repository: tag `upstream` = pristine sdist,
 # then one commit per patch).
-#   scripts/patches.sh apply          pristine + every patch in patches/series, one commit each
-#   scripts/patches.sh unapply        back to pristine
-#   scripts/patches.sh refresh        rewrite patches/ and patches/series from the commits
-#   scripts/patches.sh check VERSION  try the series on another mlx-lm release
+#   scripts/series/patches.sh apply          pristine + every patch in patches/series, one commit each
+#   scripts/series/patches.sh unapply        back to pristine
+#   scripts/series/patches.sh refresh        rewrite patches/ and patches/series from the commits
+#   scripts/series/patches.sh check VERSION  try the series on another mlx-lm release
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 tree=vendor/mlx-lm
 series=patches/series
 
@@ -17,7 +17,7 @@ patch_names() {
 
 ensure_vendor() {
     if ! git -C "$tree" rev-parse -q --verify upstream >/dev/null 2>&1; then
-        scripts/vendor.sh "$tree"
+        scripts/series/vendor.sh "$tree"
     fi
 }
 
@@ -73,9 +73,9 @@ cmd_refresh() {
 }
 
 cmd_check() {
-    local version=${1:?usage: scripts/patches.sh check VERSION}
+    local version=${1:?usage: scripts/series/patches.sh check VERSION}
     local dir=vendor/check/mlx-lm-$version name ok=0 bad=0
-    scripts/vendor.sh "$dir" "$version"
+    scripts/series/vendor.sh "$dir" "$version"
     for name in $(patch_names); do
         if git -C "$dir" am -q --keep-cr "$PWD/patches/$name" >/dev/null 2>&1; then
             printf '  applies   %s\n' "$name"; ok=$((ok + 1))
@@ -93,5 +93,5 @@ case "${1:-}" in
     unapply) cmd_unapply ;;
     refresh) cmd_refresh ;;
     check) shift; cmd_check "$@" ;;
-    *) echo "usage: scripts/patches.sh apply|unapply|refresh|check VERSION" >&2; exit 2 ;;
+    *) echo "usage: scripts/series/patches.sh apply|unapply|refresh|check VERSION" >&2; exit 2 ;;
 esac

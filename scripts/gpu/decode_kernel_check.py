@@ -3,7 +3,7 @@ against float32 attention over the dequantized cache, per-layer timings
 against fp16 SDPA and the bytes floor, and a check of MLX CUDA's
 quantized_matmul at attention shapes. One process; JSON out.
 
-    python3 scripts/decode_kernel_check.py --out $OUT/kernel.json [--parts correctness,speed,qmm]
+    python3 scripts/gpu/decode_kernel_check.py --out $OUT/kernel.json [--parts correctness,speed,qmm]
 """
 
 import argparse

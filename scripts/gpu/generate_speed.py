@@ -8,7 +8,7 @@ scheme, side by side in one process. Schemes: ``fp16`` or ``B`` / ``KB,VB``
 token as it comes (``QuantizedKVCache.decode_buffer = 0``), ``/r0`` leaves
 the cache unreserved (pages of 4,096 tokens as they fill).
 
-    python3 scripts/generate_speed.py --contexts 32768 --schemes fp16 8,4 8,4/r0 \\
+    python3 scripts/gpu/generate_speed.py --contexts 32768 --schemes fp16 8,4 8,4/r0 \\
         --out $OUT/generate-speed.json
 """
 

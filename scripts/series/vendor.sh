@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Download the pinned mlx-lm sdist from PyPI, check its sha256 and unpack it into DEST as a git
 # repository whose first commit (tag `upstream`) is the pristine source.
-#   scripts/vendor.sh [DEST] [VERSION]
+#   scripts/series/vendor.sh [DEST] [VERSION]
 # With VERSION other than the pin, no hash is known: the file is taken as PyPI serves it.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 . vendor/mlx-lm.pin
 dest=${1:-vendor/mlx-lm}
 want=${2:-$version}
