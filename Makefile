@@ -20,8 +20,18 @@ PORT ?= 8080
 VERSION ?=
 # make check-series K=3: only the prefix of 3 patches (default: every prefix)
 K ?=
+# make pr 3 (or N=3): patch 3 as a pull request; CLONE=path also makes the branch in a clone of
+# ml-explore/mlx-lm (at tag v<pinned version>, or BASE=...)
+CLONE ?=
+ifeq (pr,$(firstword $(MAKECMDGOALS)))
+ifneq (,$(word 2,$(MAKECMDGOALS)))
+N ?= $(word 2,$(MAKECMDGOALS))
+$(eval $(word 2,$(MAKECMDGOALS)):;@:)
+endif
+endif
+N ?=
 
-.PHONY: check-series vendor apply unapply refresh env test test-upstream test-ours lint models standin serve eval bench upstream-check clean
+.PHONY: check-series vendor apply unapply refresh pr env test test-upstream test-ours lint models standin serve eval bench upstream-check clean
 
 vendor:
 	scripts/series/vendor.sh
@@ -35,6 +45,9 @@ unapply:
 
 refresh:
 	scripts/series/patches.sh refresh
+
+pr:
+	scripts/series/patches.sh pr "$(N)" $(CLONE)
 
 env:
 	scripts/env.sh
