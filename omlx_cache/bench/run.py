@@ -346,4 +346,3 @@ def main(argv=None):
         for path in plot(report, options.plot_dir, options.plot_prefix):
             log(f"bench: wrote {path}")
     print(report_markdown(report))
-
