@@ -84,10 +84,10 @@ EVAL_ARGS ?=
 BENCH_ARGS ?=
 
 eval: $(EVAL_MODEL)/config.json
-	$(RUN)$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out docs/eval-smollm2.json $(EVAL_ARGS)
+	$(RUN)$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out docs/data/eval-smollm2.json $(EVAL_ARGS)
 
 bench:
-	$(RUN)$(PY) -m omlx_cache.bench --out docs/bench-cpu.json --plot-dir docs $(BENCH_ARGS)
+	$(RUN)$(PY) -m omlx_cache.bench --out docs/data/bench-cpu.json --plot-dir docs/data --plot-prefix bench-cpu $(BENCH_ARGS)
 
 check-series: standin
 	scripts/series/check_series.sh $(K)

@@ -1,7 +1,7 @@
 """Where the quantized caches' error comes from, on a real model.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0 \\
-    .venv/bin/python scripts/quality/codebook_diagnostics.py --out docs/codebook-diagnostics.json
+    .venv/bin/python scripts/quality/codebook_diagnostics.py --out docs/data/diagnostics-smollm2.json
 
 - reconstruction: relative squared error of the stored keys and values of the
   first window (all layers), per rotation and bits, against their energy and
