@@ -97,6 +97,20 @@ def test_empty_series_and_refresh(project):
     assert not (tree / "NOTE.txt").exists()
 
 
+def test_upstream_check_is_a_gate(project):
+    # every patch applies to the pinned release; a patch that does not fails the check
+    names = (project / "patches/series").read_text().split()
+    result = run(project, "patches.sh", "check", PIN["version"])
+    assert result.returncode == 0, result.stderr
+    assert f"{len(names)} patch(es) apply cleanly, 0 do not" in result.stdout
+    broken = project / "patches" / names[-1]
+    header, diff = broken.read_text().split("\ndiff --git", 1)
+    broken.write_text(header + "\ndiff --git" + diff.replace("\n ", "\n #", 5))
+    result = run(project, "patches.sh", "check", PIN["version"])
+    assert result.returncode != 0
+    assert f"FAILS     {names[-1]}" in result.stdout
+
+
 def make(project, *args):
     return subprocess.run(
         ["make", "-s", *args], cwd=project, capture_output=True, text=True, check=False

@@ -87,6 +87,8 @@ cmd_check() {
         fi
     done
     echo "mlx-lm $version: $ok patch(es) apply cleanly, $bad do not"
+    # the gate for moving the pin: every patch must apply
+    [ "$bad" -eq 0 ]
 }
 
 # cmd_pr N [CLONE]: patch N as a pull request. Patches build on the earlier ones, so what is sent
