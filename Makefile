@@ -23,6 +23,7 @@ K ?=
 # make pr 3 (or N=3): patch 3 as a pull request; CLONE=path also makes the branch in a clone of
 # ml-explore/mlx-lm (at tag v<pinned version>, or BASE=...)
 CLONE ?=
+BASE ?=
 ifeq (pr,$(firstword $(MAKECMDGOALS)))
 ifneq (,$(word 2,$(MAKECMDGOALS)))
 N ?= $(word 2,$(MAKECMDGOALS))
@@ -47,7 +48,7 @@ refresh:
 	scripts/series/patches.sh refresh
 
 pr:
-	scripts/series/patches.sh pr "$(N)" $(CLONE)
+	BASE="$(BASE)" scripts/series/patches.sh pr "$(N)" $(CLONE)
 
 env:
 	scripts/env.sh
