@@ -11,7 +11,7 @@ with the same weights as the patched model.
 
     python -m omlx_cache.bench                      # CPU-sized, a few minutes
     python -m omlx_cache.bench --preset llama3-8b --contexts 4096,32768 \\
-        --out bench.json --plot-dir docs --plot-prefix bench-gpu
+        --out bench.json --plot-dir docs/data --plot-prefix bench-gpu
     python -m omlx_cache.bench --merge a.json b.json --out all.json
     python -m omlx_cache.bench --preset llama3-8b --batch 8 --fill synthetic \
         --schemes fp16 8,4 4       # batched decode, as the server batches streams
