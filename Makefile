@@ -18,21 +18,37 @@ RUN := $(if $(OPENBLAS),LD_PRELOAD=$(OPENBLAS) )
 HOST ?= 127.0.0.1
 PORT ?= 8080
 VERSION ?=
+# make check-series K=3: only the prefix of 3 patches (default: every prefix)
+K ?=
+# make pr 3 (or N=3): patch 3 as a pull request; CLONE=path also makes the branch in a clone of
+# ml-explore/mlx-lm (at tag v<pinned version>, or BASE=...)
+CLONE ?=
+BASE ?=
+ifeq (pr,$(firstword $(MAKECMDGOALS)))
+ifneq (,$(word 2,$(MAKECMDGOALS)))
+N ?= $(word 2,$(MAKECMDGOALS))
+$(eval $(word 2,$(MAKECMDGOALS)):;@:)
+endif
+endif
+N ?=
 
-.PHONY: check-series vendor apply unapply refresh env test test-upstream test-ours lint models standin serve eval bench upstream-check clean
+.PHONY: check-series vendor apply unapply refresh pr env test test-upstream test-ours lint models standin serve eval bench upstream-check clean
 
 vendor:
-	scripts/vendor.sh
+	scripts/series/vendor.sh
 
 apply:
-	scripts/patches.sh apply
+	scripts/series/patches.sh apply
 	scripts/env.sh
 
 unapply:
-	scripts/patches.sh unapply
+	scripts/series/patches.sh unapply
 
 refresh:
-	scripts/patches.sh refresh
+	scripts/series/patches.sh refresh
+
+pr:
+	BASE="$(BASE)" scripts/series/patches.sh pr "$(N)" $(CLONE)
 
 env:
 	scripts/env.sh
@@ -49,7 +65,7 @@ test-ours: standin
 lint:
 	$(PY) -m ruff check omlx_cache scripts tests
 	$(PY) -m ruff format --check omlx_cache scripts tests
-	$(PY) scripts/lint_patches.py
+	$(PY) scripts/series/lint_patches.py
 
 models:
 	$(PY) -m omlx_cache.models all --out models
@@ -69,17 +85,17 @@ EVAL_ARGS ?=
 BENCH_ARGS ?=
 
 eval: $(EVAL_MODEL)/config.json
-	$(RUN)$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out docs/eval-smollm2.json $(EVAL_ARGS)
+	$(RUN)$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out docs/data/eval-smollm2.json $(EVAL_ARGS)
 
 bench:
-	$(RUN)$(PY) -m omlx_cache.bench --out docs/bench-cpu.json --plot-dir docs $(BENCH_ARGS)
+	$(RUN)$(PY) -m omlx_cache.bench --out docs/data/bench-cpu.json --plot-dir docs/data --plot-prefix bench-cpu $(BENCH_ARGS)
 
 check-series: standin
-	scripts/check_series.sh
+	scripts/series/check_series.sh $(K)
 
 upstream-check:
 	@test -n "$(VERSION)" || { echo "usage: make upstream-check VERSION=x.y.z" >&2; exit 2; }
-	scripts/patches.sh check $(VERSION)
+	scripts/series/patches.sh check $(VERSION)
 
 clean:
 	rm -rf vendor/mlx-lm vendor/check vendor/.cache .venv models

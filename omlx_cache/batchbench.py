@@ -1,7 +1,7 @@
 """Total decode throughput of mlx-lm's BatchGenerator with n concurrent streams, per KV scheme.
 
     python -m omlx_cache.batchbench --model models/SmolLM2-135M-Instruct-f32 \\
-        --streams 1,4,8 --kv fp16 --kv 8,4 --kv 4 --out docs/batchbench.json
+        --streams 1,4,8 --kv fp16 --kv 8,4 --kv 4 --out docs/data/batchbench-cpu.json
 
 `--max-kv-size N` bounds every stream's context to N tokens (rotating caches, quantized with
 a quantized scheme), as `mlx_lm.server --max-kv-size N` does.

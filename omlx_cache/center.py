@@ -5,8 +5,9 @@ query row. A cache that stores ``k - m`` instead of ``k``, with ``m`` one
 vector per sequence and kv head, gives scores ``q . k - q . m``: the same
 attention, except that the quantizer no longer spends its range on ``m``. On
 the models we measured the per-head mean holds most of the keys' energy
-(docs/results.md). Values can be centered too: the output
-``sum_i p_i (v_i - m_v) + m_v`` is exact because the probabilities sum to 1.
+(``energy_in_mean`` in docs/data/diagnostics-*.json). Values can be centered
+too: the output ``sum_i p_i (v_i - m_v) + m_v`` is exact because the
+probabilities sum to 1.
 
 The mean is taken over the first update of an empty cache (per batch element,
 its padding left out, and the first token left out when there are others: it

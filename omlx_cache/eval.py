@@ -1,7 +1,7 @@
 """KV cache quality: perplexity, KL divergence and top-1 agreement against fp16 KV.
 
     python -m omlx_cache.eval --model models/SmolLM2-135M-Instruct-f32 \\
-        --kv fp16 --kv 8 --kv 8,4 --kv 4 --out docs/eval-smollm2.json
+        --kv fp16 --kv 8 --kv 8,4 --kv 4 --out docs/data/eval-smollm2.json
 
 The text is split into consecutive windows, each BOS and the next C - 1 tokens.
 For every window and scheme a fresh cache is made and the window is fed

@@ -5,7 +5,9 @@ A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate`` or
 a factory ``(model) -> list of caches`` plus the bits per element the format
 costs.
 
-New formats register a pattern and a builder, e.g.::
+The codecs live in their own modules (``center``, ``codebook``), which know
+nothing of schemes; their names are registered here. New formats register a
+pattern and a builder, e.g.::
 
     @register(r"codebook-(?P<bits>\\d)", syntax="codebook-B", help="...")
     def codebook(name, group_size, bits):
@@ -31,6 +33,7 @@ from .center import (
     CenteredQuantizedRotatingKVCache,
     centered,
 )
+from .codebook import Affine, Codebook, CodebookKVCache, Plain
 
 # the scales and biases of affine quantization, as a float16 / bfloat16 model stores them
 SCALE_BITS = 16
@@ -227,5 +230,62 @@ def affine(
     )
 
 
-# formats defined in their own modules register themselves when imported
-from . import codebook  # noqa: F401
+# head dim at which a codebook scheme's nominal bits per element are given (the
+# norm's 16 bits are shared by D elements); the eval reports the stored bits too
+NOMINAL_HEAD_DIM = 128
+
+CODEBOOK_SCHEME = (
+    r"codebook-(?P<key_bits>\d+)(k-(?P<affine>a?)(?P<value_bits>\d+)v)?"
+    r"(-(?P<rotation>hadamard|givens|none))?(-(?P<norm>dot|length|plain))?"
+    + CENTER_SUFFIX
+)
+
+
+def scheme_codecs(key_bits, value_bits=None, affine="", rotation=None, norm=None):
+    """The (key, value) codecs of a ``codebook-...`` scheme name's parts: 16
+    bits is ``Plain``; ``affine`` makes the values affine (group size 64)."""
+    rotation, norm = rotation or "hadamard", norm or "dot"
+
+    def one(bits, is_affine=False):
+        bits = int(bits)
+        if bits == 16:
+            return Plain()
+        if is_affine:
+            return Affine(bits, 64, rotation)
+        return Codebook(bits, rotation, norm)
+
+    keys = one(key_bits)
+    values = keys if value_bits is None else one(value_bits, bool(affine))
+    return keys, values
+
+
+@register(
+    CODEBOOK_SCHEME,
+    syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] "
+    "[+center|+center-kv]",
+    help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
+    "(-givens: PlanarQuant pairs) plus a float16 norm per vector; Kk-Vv: K and V "
+    "bits (16 = unquantized), aV: affine V (Hadamard, group 64); +center: keys "
+    "minus their per-head mean of the first write, +center-kv values too; "
+    "sliding-window layers hold the whole context (same attention)",
+)
+def codebook(
+    name,
+    group_size,
+    key_bits,
+    value_bits,
+    affine,
+    rotation,
+    norm,
+    center,
+    center_values,
+):
+    keys, values = scheme_codecs(key_bits, value_bits, affine, rotation, norm)
+    center = center_option(center, center_values)
+
+    def make_cache(model):
+        layers = plain_layers(model, windows=True)
+        return [CodebookKVCache(keys, values, center=center) for _ in range(layers)]
+
+    bits = (c.bits_per_element(NOMINAL_HEAD_DIM) for c in (keys, values))
+    return Scheme(name, make_cache, bits_per_element=tuple(bits))

@@ -16,7 +16,7 @@ This module runs generation that way and compares it with one process:
         -m omlx_cache.tensor_parallel run --model /tmp/tp-llama --out /tmp/two
     python -m omlx_cache.tensor_parallel compare /tmp/one /tmp/two
 
-(``scripts/tensor_parallel_check.py`` does all four), and computes the KV bytes
+(``scripts/distributed/tensor_parallel_check.py`` does all four), and computes the KV bytes
 each rank holds from the cache layout:
 
     python -m omlx_cache.tensor_parallel layout --ranks 1,2,4,8

@@ -170,7 +170,7 @@ def test_decode_error_keeps_prefill(tmp_path, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("no implementation")
 
-    monkeypatch.setattr(bench, "decode", broken)
+    monkeypatch.setattr(bench.timing, "decode", broken)
     report = tiny_run(tmp_path, "--schemes", "fp16", "4")
     for r in report["rows"]:
         assert r["decode_error"] == "RuntimeError: no implementation"

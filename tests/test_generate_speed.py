@@ -1,4 +1,4 @@
-"""scripts/generate_speed.py on the CPU: generate_step over each KV scheme."""
+"""scripts/gpu/generate_speed.py on the CPU: generate_step over each KV scheme."""
 
 import importlib.util
 import json
@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def generate_speed():
     spec = importlib.util.spec_from_file_location(
-        "generate_speed", ROOT / "scripts/generate_speed.py"
+        "generate_speed", ROOT / "scripts/gpu/generate_speed.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -1,0 +1,128 @@
+"""Decode speed through mlx-lm's own generation loop (GPU machine).
+
+``generate_step`` (what ``mlx_lm.generate`` and ``stream_generate`` run)
+over a random prompt at a bench preset's shape, with random 4-bit weights:
+time to the first token (prefill) and decode tokens/s after it, per KV
+scheme, side by side in one process. Schemes: ``fp16`` or ``B`` / ``KB,VB``
+(``kv_bits``, quantized from the first token); ``/h0`` quantizes each decode
+token as it comes (``QuantizedKVCache.decode_buffer = 0``), ``/r0`` leaves
+the cache unreserved (pages of 4,096 tokens as they fill).
+
+    python3 scripts/gpu/generate_speed.py --contexts 32768 --schemes fp16 8,4 8,4/r0 \\
+        --out $OUT/generate-speed.json
+"""
+
+import argparse
+import itertools
+import json
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+
+from omlx_cache import bench
+
+
+def parse(name: str):
+    """(kv_bits or None, decode_buffer or None, reserve or None)."""
+    base, *options = name.split("/")
+    bits = None
+    if base != "fp16":
+        bits = tuple(int(b) for b in base.split(","))
+        bits = bits if len(bits) == 2 else bits[0]
+    held = 0 if "h0" in options else None
+    reserve = 0 if "r0" in options else None
+    unknown = set(options) - {"h0", "r0"}
+    if unknown:
+        raise ValueError(f"unknown scheme options {sorted(unknown)} in {name!r}")
+    return bits, held, reserve
+
+
+def run(model, name, context, tokens, vocab):
+    bits, held, reserve = parse(name)
+    prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
+    cache = make_prompt_cache(model, kv_bits=bits)
+    if reserve is not None:
+        for c in cache:
+            c.reserve = reserve
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    times = []
+    with bench.decode_buffer(held):
+        start = time.perf_counter()
+        for _ in generate_step(
+            prompt,
+            model,
+            max_tokens=tokens,
+            prompt_cache=cache,
+            kv_bits=bits,
+            prefill_step_size=2048,
+        ):
+            times.append(time.perf_counter())
+    steps = [b - a for a, b in itertools.pairwise(times)]
+    return {
+        "context": context,
+        "scheme": name,
+        "first_token_s": times[0] - start,
+        "decode_ms_median": 1e3 * statistics.median(steps),
+        "decode_tok_s": 1 / statistics.median(steps),
+        # steps over their total time: what a generation gets, as a pipelined
+        # loop's steps alternate long and short
+        "decode_tok_s_all_steps": len(steps) / (times[-1] - times[0]),
+        "pages": len(cache[0].key_pages)
+        if isinstance(cache[0], QuantizedKVCache)
+        else None,
+        "peak_gib": mx.get_peak_memory() / 2**30,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama3-8b", choices=sorted(bench.PRESETS))
+    parser.add_argument("--contexts", default="32768")
+    parser.add_argument("--schemes", nargs="+", default=["fp16", "8,4", "4"])
+    parser.add_argument("--tokens", type=int, default=64, help="max_tokens per run")
+    parser.add_argument(
+        "--warmup", type=int, default=4608, help="context of an untimed run"
+    )
+    parser.add_argument("--out", required=True)
+    opts = parser.parse_args()
+    preset = bench.PRESETS[opts.preset]
+    dtype = getattr(mx, preset.get("dtype", "float16"))
+    model = bench.build_model(preset, dtype)
+    vocab = model.args.vocab_size
+    for name in opts.schemes:
+        run(model, name, opts.warmup, 8, vocab)
+    rows = []
+    for context in bench.int_list(opts.contexts):
+        fp16 = None
+        for name in opts.schemes:
+            row = run(model, name, context, opts.tokens, vocab)
+            fp16 = row if name == "fp16" else fp16
+            for key, key_vs in (
+                ("decode_tok_s", "decode_vs_fp16"),
+                ("decode_tok_s_all_steps", "decode_all_steps_vs_fp16"),
+            ):
+                row[key_vs] = row[key] / fp16[key] if fp16 else None
+            rows.append(row)
+            ratio = ""
+            if fp16:
+                ratio = (
+                    f" ({row['decode_vs_fp16']:.2f}x fp16; all steps "
+                    f"{row['decode_tok_s_all_steps']:.1f} tok/s, "
+                    f"{row['decode_all_steps_vs_fp16']:.2f}x)"
+                )
+            print(
+                f"{context:>7} {name:<8} first token {row['first_token_s']:.3f} s, "
+                f"decode {row['decode_tok_s']:.1f} tok/s{ratio}, "
+                f"pages {row['pages']}, peak {row['peak_gib']:.2f} GiB",
+                flush=True,
+            )
+            with open(opts.out, "w") as f:
+                json.dump({"preset": opts.preset, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
