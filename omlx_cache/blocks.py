@@ -1,7 +1,8 @@
 """Blocks of a prompt cache as files: the format behind ``omlx_cache.disk_cache``.
 
-A block holds a fixed number of consecutive tokens of every layer's cache. Its
-file is a safetensors file: the block's tokens (``tokens``, int64), for every
+A block holds a fixed number of consecutive tokens of every layer's cache (a
+stored prefix's last block, its tail, may hold fewer). Its file is a
+safetensors file: the block's tokens (``tokens``, int64), for every
 layer ``n`` the slices of the cache's own arrays for those tokens
 (``n.keys.j``, ``n.values.j``: packed values, scales and biases of a quantized
 cache, keys and values of a float one) and the arrays among the cache's
@@ -387,14 +388,15 @@ def block_tensors(layers: list, tokens, start: int, stop: int) -> dict:
 
 
 class Plan:
-    """Restoring a chain: per layer, one array per part for all its tokens,
+    """Restoring a chain of blocks (full ones of ``block_tokens`` tokens, the
+    last possibly partial): per layer, one array per part for all its tokens,
     into which each block is copied, and what every block must share with the
     first (classes and settings)."""
 
-    def __init__(self, metadata: dict, tensors: dict, n_blocks: int):
-        self.block_tokens = int(metadata["tokens"])
-        B = self.block_tokens
+    def __init__(self, metadata: dict, tensors: dict, length: int, block_tokens: int):
+        self.block_tokens = block_tokens
         self.described = json.loads(metadata["layers"])
+        first = len(tensors["tokens"][1])
         self.layers = []
         for n, d in enumerate(self.described):
             cls = cache_class(d["class"])
@@ -405,9 +407,9 @@ class Plan:
                 dest[kind] = []
                 for j in range(int(d[kind])):
                     dtype, x = tensors[f"{n}.{kind}.{j}"]
-                    if x.ndim < 2 or x.shape[-2] != B:
-                        raise BadBlock(f"{n}.{kind}.{j} does not hold {B} tokens")
-                    shape = (*x.shape[:-2], n_blocks * B, x.shape[-1])
+                    if x.ndim < 2 or x.shape[-2] != first:
+                        raise BadBlock(f"{n}.{kind}.{j} does not hold {first} tokens")
+                    shape = (*x.shape[:-2], length, x.shape[-1])
                     dest[kind].append((dtype, np.empty(shape, x.dtype)))
             settings, j = [], 0
             while f"{n}.settings.{j}" in tensors:
@@ -416,9 +418,10 @@ class Plan:
             self.layers.append((cls, d, dest, settings))
 
     @classmethod
-    def from_block(cls, metadata, tensors, n_blocks):
+    def from_block(cls, metadata, tensors, length: int, block_tokens: int):
+        """The plan for ``length`` tokens from the chain's first block."""
         try:
-            plan = cls(metadata, tensors, n_blocks)
+            plan = cls(metadata, tensors, length, block_tokens)
         except (KeyError, TypeError, ValueError) as e:
             raise BadBlock(f"bad layer description ({type(e).__name__})") from None
         plan.copy(0, tensors)
@@ -447,21 +450,22 @@ class Plan:
 
     def copy(self, i: int, tensors: dict):
         """Copy block ``i``'s slices into place (BadBlock if they do not fit)."""
-        B = self.block_tokens
+        start = i * self.block_tokens
+        count = len(tensors["tokens"][1])
         try:
             for n, (_, _, dest, _) in enumerate(self.layers):
                 for kind, parts in dest.items():
                     for j, (dtype, array) in enumerate(parts):
                         got, x = tensors[f"{n}.{kind}.{j}"]
-                        if got != dtype or x.shape[:-2] != array.shape[:-2]:
+                        fits = x.shape[:-2] == array.shape[:-2] and x.shape[-2] == count
+                        if got != dtype or not fits or start + count > array.shape[-2]:
                             raise ValueError
-                        array[..., i * B : (i + 1) * B, :] = x
+                        array[..., start : start + count, :] = x
         except (KeyError, ValueError):
             raise BadBlock("its arrays do not match the first block's") from None
 
-    def build(self, n_blocks: int) -> list:
-        """The caches of the first ``n_blocks`` blocks."""
-        length = n_blocks * self.block_tokens
+    def build(self, length: int) -> list:
+        """The caches of the chain's first ``length`` tokens."""
         caches = []
         for cls, d, dest, settings in self.layers:
             keys, values = (

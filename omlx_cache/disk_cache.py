@@ -6,11 +6,14 @@
 ``LRUPromptCache`` hands it every cache it stores and asks it for a longer
 prefix than the memory holds.
 
-A prompt's cache is stored in blocks of ``block_tokens`` tokens
-(``omlx_cache.blocks`` has the file format). A block's name is a hash chained
-over the key and every token up to the block's end, so a block is found only
-after the very same tokens; a restore walks the chain from the first block
-until one is missing. The key covers the model (its path, the hashes of its
+A prompt's cache is stored in blocks of ``block_tokens`` tokens and a last,
+partial block for the rest (its tail; ``omlx_cache.blocks`` has the file
+format). A block's name is a hash chained over the key and every token up to
+the block's end, so a block is found only after the very same tokens; a restore
+walks the chain from the first block until one is missing, then takes the
+longest tail stored there. With tails, a prefix comes back where it was stored
+(e.g. at the end of a system prompt, where the server stores one), so the rest
+of the prompt is computed as it would have been without the disk. The key covers the model (its path, the hashes of its
 config files, its weight files' names and sizes), the cache settings
 (``--kv-bits``, ``--kv-group-size``, ``--kv-rotate``, ``--max-kv-size``,
 ``--quantized-kv-start``), the block size and the format version: a different
@@ -300,45 +303,58 @@ class DiskPromptCache:
     def fetch(self, model, tokens, min_length: int = 0):
         """(caches of the longest stored prefix of ``tokens``, its length) if
         longer than ``min_length`` and shorter than ``tokens``, else None."""
-        B = self.block_tokens
-        n_blocks = (len(tokens) - 1) // B
-        if n_blocks * B <= min_length:
+        if len(tokens) - 1 <= min_length:
             return None
         try:
             ns = self._namespace(model)
-            hashes = chain_hashes(ns.key, tokens, n_blocks, B)
+            chain = self._stored_chain(ns, tokens)
         except (TypeError, ValueError, OverflowError, OSError):
             return None
-        with self._lock:
-            paths = []
-            for h in hashes:
-                if ns.path(h) not in self._files:
-                    break
-                paths.append(ns.path(h))
-        if len(paths) * B <= min_length:
+        if sum(count for _, count in chain) <= min_length:
             return None
         start = time.perf_counter()
-        restored = self._read_chain(ns, paths)
-        if restored is None or restored[1] * B <= min_length:
+        restored = self._read_chain(ns, chain)
+        if restored is None or restored[1] <= min_length:
             return None
-        caches, n, nbytes = restored
-        self._touch(paths[:n][::-1])
+        caches, length, n, nbytes = restored
+        self._touch([path for path, _ in chain[:n]][::-1])
         seconds = time.perf_counter() - start
         s = self.stats
         s.restores += 1
-        s.restored_tokens += n * B
+        s.restored_tokens += length
         s.restored_bytes += nbytes
         s.restore_seconds += seconds
         log.info(
-            f"disk prompt cache: restored {n * B} tokens ({n} blocks, "
+            f"disk prompt cache: restored {length} tokens ({n} blocks, "
             f"{nbytes / 1e6:.1f} MB) in {seconds:.3f} s"
         )
-        return caches, n * B
+        return caches, length
 
-    def _read_chain(self, ns: Namespace, paths: list):
-        """(caches, blocks restored, bytes read) of the chain's first blocks
+    def _stored_chain(self, ns: Namespace, tokens) -> list:
+        """[(path, tokens)] of the stored blocks that begin ``tokens`` (but
+        leave at least one): full blocks, then the longest tail."""
+        B = self.block_tokens
+        limit = len(tokens) - 1
+        chain, parent = [], ns.key
+        with self._lock:
+            for h in chain_hashes(ns.key, tokens, limit // B, B):
+                if ns.path(h) not in self._files:
+                    break
+                chain.append((ns.path(h), B))
+                parent = h
+            start = len(chain) * B
+            for count in range(min(B - 1, limit - start), 0, -1):
+                path = ns.path(chain_hash(parent, tokens[start : start + count]))
+                if path in self._files:
+                    chain.append((path, count))
+                    break
+        return chain
+
+    def _read_chain(self, ns: Namespace, chain: list):
+        """(caches, tokens, blocks, bytes read) of the chain's first blocks
         that read back, or None. The first is read alone (it sizes the
         arrays), the others in parallel."""
+        paths = [path for path, _ in chain]
 
         def verify(i):
             parent = paths[i - 1].name.removesuffix(SUFFIX) if i else ns.key
@@ -346,7 +362,8 @@ class DiskPromptCache:
 
         try:
             metadata, tensors, nbytes = verify(0)
-            plan = Plan.from_block(metadata, tensors, len(paths))
+            length = sum(count for _, count in chain)
+            plan = Plan.from_block(metadata, tensors, length, self.block_tokens)
         except FileNotFoundError:
             return None
         except BadBlock as e:
@@ -375,7 +392,8 @@ class DiskPromptCache:
                         self._bad(paths[i], value)
                     break
                 n, nbytes = i + 1, nbytes + value
-        return plan.build(n), n, nbytes
+        length = sum(count for _, count in chain[:n])
+        return plan.build(length), length, n, nbytes
 
     def _bad(self, path: Path, error: BadBlock):
         log.warning(f"disk prompt cache: skipped and removed {path}: {error}")
@@ -385,8 +403,8 @@ class DiskPromptCache:
     # --- insert
 
     def insert(self, model, tokens, prompt_cache):
-        """Queue the full blocks of ``tokens`` that the caches hold and the
-        disk does not for writing; mark the chain used."""
+        """Queue the blocks of ``tokens`` that the caches hold and the disk
+        does not (full blocks and a tail) for writing; mark the chain used."""
         if not self.writable or not prompt_cache:
             return
         layouts = [layout_of(type(c)) for c in prompt_cache]
@@ -403,6 +421,9 @@ class DiskPromptCache:
             )
             ns = self._namespace(model)
             hashes = chain_hashes(ns.key, tokens, length // B, B)
+            if length % B:
+                tail = tokens[len(hashes) * B : length]
+                hashes.append(chain_hash(hashes[-1] if hashes else ns.key, tail))
         except (TypeError, ValueError, OverflowError, OSError):
             return
         if not hashes:
@@ -424,7 +445,7 @@ class DiskPromptCache:
             if not self.writable:
                 self._unqueue(paths[j] for j in new[n:])
                 return
-            tensors = block_tensors(layers, tokens, i * B, (i + 1) * B)
+            tensors = block_tensors(layers, tokens, i * B, min((i + 1) * B, length))
             metadata = {
                 "format": FORMAT,
                 "version": str(FORMAT_VERSION),
@@ -536,7 +557,8 @@ def check_directory(directory, remove: bool = False) -> tuple[int, list]:
                 continue
             try:
                 metadata, tensors, _ = verify_block(path, key)
-                Plan.from_block(metadata, tensors, 1)
+                count = len(tensors["tokens"][1])
+                Plan.from_block(metadata, tensors, count, count)
                 good += 1
             except BadBlock as e:
                 bad.append((path, str(e)))

@@ -89,11 +89,11 @@ def test_round_trip(model, tokens, tmp_path, kind):
     writer = tier(tmp_path)
     writer.insert(MODEL, tokens[:250], cache)
     writer.flush()
-    assert writer.stats.written_blocks == 250 // B
+    assert writer.stats.written_blocks == 250 // B + 1  # and a tail
 
     # a new tier on the directory, as after a restart
     restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
-    assert n == 250 // B * B
+    assert n == 250
     assert_same_cache(cache, restored, n)
     # the model goes on from it as from the original, trimmed (up to float
     # rounding: attention tiles follow the pages, one page after a restore)
@@ -109,12 +109,14 @@ def test_fetch_limits(model, tokens, tmp_path):
     t = tier(tmp_path)
     t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
     t.flush()
-    assert t.fetch(MODEL, tokens[:250], 0)[1] == 224
+    # seven blocks and a tail of 26 tokens
+    assert t.fetch(MODEL, tokens, 0)[1] == 250
     # never the whole prompt: a token must be left to compute
+    assert t.fetch(MODEL, tokens[:250], 0)[1] == 224
     assert t.fetch(MODEL, tokens[:224], 0)[1] == 192
-    # nothing longer than the memory's match
-    assert t.fetch(MODEL, tokens, 224) is None
-    assert t.fetch(MODEL, tokens, 223)[1] == 224
+    # nothing shorter than the memory's match
+    assert t.fetch(MODEL, tokens, 250) is None
+    assert t.fetch(MODEL, tokens, 249)[1] == 250
     # another prompt shares the first block only
     other = tokens[:40] + [(x + 1) % 320 for x in tokens[40:]]
     assert t.fetch(MODEL, other, 0)[1] == B
@@ -218,13 +220,13 @@ def test_check_directory(model, tokens, tmp_path, capsys):
     t = tier(tmp_path)
     t.insert(MODEL, tokens[:250], stored(model, tokens, "4+rotate", 250))
     t.flush()
-    assert check_directory(tmp_path) == (7, [])
+    assert check_directory(tmp_path) == (8, [])  # seven and a tail
     corrupt(block_files(tmp_path)[5])
     good, bad = check_directory(tmp_path)
-    assert good == 6 and len(bad) == 1 and "CRC" in bad[0][1]
+    assert good == 7 and len(bad) == 1 and "CRC" in bad[0][1]
     assert main(["check", str(tmp_path), "--remove"]) == 1
-    assert "6 good blocks, 1 bad" in capsys.readouterr().out
-    assert check_directory(tmp_path) == (6, [])
+    assert "7 good blocks, 1 bad" in capsys.readouterr().out
+    assert check_directory(tmp_path) == (7, [])
 
 
 def test_byte_cap_evicts_least_recently_used(model, tokens, tmp_path):
@@ -253,7 +255,7 @@ def test_write_error_stops_writing_not_serving(model, tokens, tmp_path, caplog):
     t = tier(tmp_path)
     t.insert(MODEL, tokens[:100], stored(model, tokens, "fp", 100))
     t.flush()
-    assert t.stats.written_blocks == 3
+    assert t.stats.written_blocks == 4  # three and a tail
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, hard))
     try:
@@ -265,10 +267,10 @@ def test_write_error_stops_writing_not_serving(model, tokens, tmp_path, caplog):
     assert not t.writable
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
     assert not list(tmp_path.glob("*/*.tmp"))
-    assert t.fetch(MODEL, tokens, 0)[1] == 3 * B
+    assert t.fetch(MODEL, tokens, 0)[1] == 100
     t.insert(MODEL, tokens[:250], stored(model, tokens, "fp", 250))
     t.flush()
-    assert t.stats.written_blocks == 3
+    assert t.stats.written_blocks == 4
 
 
 def test_temporary_files_of_dead_writers_are_removed(tmp_path):
