@@ -312,3 +312,34 @@ def test_server_hook_finds_the_disk_tier(model, tokens, tmp_path):
     disk.flush()
     cache, rest = memory.fetch_nearest_cache(MODEL, tokens[:280])
     assert len(rest) == 280 - 256 and cache[0].offset == 256
+
+
+def test_disk_bench_synthetic(tmp_path):
+    """The GPU measurement's script, at a tiny shape: every scheme restores the
+    prefix and answers as a prefill from scratch."""
+    from omlx_cache import disk_bench
+
+    report = disk_bench.main(
+        [
+            "synthetic",
+            "--preset",
+            "tiny-cpu",
+            "--prefix",
+            "256",
+            "--suffix",
+            "8",
+            "--prefill-step",
+            "128",
+            "--block-tokens",
+            "64",
+            "--answer-tokens",
+            "3",
+            "--out",
+            str(tmp_path / "report.json"),
+        ]
+    )
+    assert [r["scheme"] for r in report["synthetic"]] == ["fp16", "8,4", "4"]
+    for row in report["synthetic"]:
+        assert row["restored_tokens"] == 256
+        assert row["identical_cold"] and row["identical_warm"]
+    assert (tmp_path / "report.json").exists()

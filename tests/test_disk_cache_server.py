@@ -6,25 +6,21 @@ and a restarted one restores them; a full disk stops writing, not serving.
 Answers are compared with a server that caches nothing (every prompt computed
 from scratch). Blocks are 64 tokens here (OMLX_PROMPT_CACHE_BLOCK_TOKENS)."""
 
-import os
 import resource
-import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import requests
 from mlx_lm.utils import load_tokenizer
 from test_disk_cache import block_files, corrupt
 
+from omlx_cache import disk_bench
 from omlx_cache.disk_cache import BLOCK_TOKENS_ENV, check_directory, wait_for_blocks
 
 B = 64
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 DOC = " ".join(
     f"Station {i} of the northern line opened in {1890 + 3 * i} and serves "
     f"{40 + 7 * i} thousand riders a day."
@@ -38,76 +34,27 @@ QUESTIONS = [
 
 
 def limited(which: int, value: int) -> list[str]:
-    """A Python command line that runs the rest of its arguments under a
-    resource limit (as ``prlimit`` does)."""
+    """A command prefix that runs the rest of the command under a resource
+    limit (as ``prlimit`` does)."""
     code = (
         "import os, resource, sys; "
         f"resource.setrlimit({which}, ({value}, {value})); "
-        "os.execv(sys.executable, [sys.executable, *sys.argv[1:]])"
+        "os.execv(sys.argv[1], sys.argv[1:])"
     )
     return [sys.executable, "-c", code]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``python -m mlx_lm.server`` on the float32 SmolLM2 in its own process,
-    as ``make serve`` runs it (OpenBLAS preloaded when installed)."""
-
-    def __init__(self, model_dir, log_dir, *args, limit_file_size=None):
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.log_path = Path(log_dir) / f"server-{port}.log"
-        env = dict(os.environ, HF_HUB_OFFLINE="1", **{BLOCK_TOKENS_ENV: str(B)})
-        if OPENBLAS.exists():
-            env["LD_PRELOAD"] = str(OPENBLAS)
-        command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model_dir)]
-        command += ["--host", "127.0.0.1", "--port", str(port), "--max-tokens", "12"]
-        if limit_file_size is not None:
-            command = [*limited(resource.RLIMIT_FSIZE, limit_file_size), *command[1:]]
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [*command, *args], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
-        self._wait_until_ready()
-
-    def _wait_until_ready(self, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited: {self.log()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=1).ok:
-                    return
-            except requests.ConnectionError:
-                time.sleep(0.2)
-        self.stop()
-        pytest.fail(f"server did not start within {timeout} s")
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def lines(self, text: str) -> list[str]:
-        return [line for line in self.log().splitlines() if text in line]
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        self.proc.wait(timeout=30)
-
-    def kill(self):
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.stop()
+def Server(model_dir, log_dir, *args, limit_file_size=None):
+    """The server with 64-token blocks, optionally under a file size limit."""
+    prefix = (
+        ()
+        if limit_file_size is None
+        else limited(resource.RLIMIT_FSIZE, limit_file_size)
+    )
+    env = {BLOCK_TOKENS_ENV: str(B)}
+    return disk_bench.Server(
+        model_dir, log_dir, "--max-tokens", "12", *args, env=env, prefix=prefix
+    )
 
 
 def messages(question, doc=DOC):
