@@ -90,6 +90,10 @@ def test_round_trip(model, tokens, tmp_path, kind):
     writer.insert(MODEL, tokens[:250], cache)
     writer.flush()
     assert writer.stats.written_blocks == 250 // B + 1  # and a tail
+    # plain safetensors files
+    for path in tmp_path.glob("*/*.safetensors"):
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        assert metadata["format"] == "omlx-prefix-block" and "0.keys.0" in arrays
 
     # a new tier on the directory, as after a restart
     restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
