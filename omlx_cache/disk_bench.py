@@ -40,8 +40,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import requests
-
 from .bench import REPO_ROOT, device_info, log, versions, write_json
 from .disk_cache import BLOCK_TOKENS_ENV, DiskPromptCache, wait_for_blocks
 
@@ -88,6 +86,8 @@ class Server:
         self._wait_until_ready(timeout)
 
     def _wait_until_ready(self, timeout):
+        import requests  # not needed in process (the GPU machine may lack it)
+
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -125,6 +125,8 @@ class Server:
 def chat(url, messages, max_tokens=12) -> dict:
     """A greedy streamed chat completion: answer, seconds to its first token,
     usage."""
+    import requests
+
     start = time.monotonic()
     response = requests.post(
         f"{url}/v1/chat/completions",
