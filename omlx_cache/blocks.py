@@ -1,0 +1,481 @@
+"""Blocks of a prompt cache as files: the format behind ``omlx_cache.disk_cache``.
+
+A block holds a fixed number of consecutive tokens of every layer's cache (a
+stored prefix's last block, its tail, may hold fewer). Its file is a
+safetensors file: the block's tokens (``tokens``, int64), for every
+layer ``n`` the slices of the cache's own arrays for those tokens
+(``n.keys.j``, ``n.values.j``: packed values, scales and biases of a quantized
+cache, keys and values of a float one) and the arrays among the cache's
+settings (``n.settings.j``, e.g. a centered cache's means). The metadata holds
+``format``, ``version``, ``key``, ``hash``, ``parent``, ``index``, ``tokens``
+(the block size), ``layers`` (JSON: each layer's cache class, layout, number
+of parts and settings) and ``crc32``, the CRC-32 of the whole file taken with
+that field's value zeroed.
+
+A block's ``hash`` is the SHA-256 of its parent's hash (the key's for the
+first block) and its tokens as little-endian int64, so a file can be checked on
+its own (``verify_block``) as well as against the chain it is read for.
+
+Layouts say how a cache class's ``state`` maps to token slices and back:
+``LinearLayout`` for states ``(keys, values, offset, *settings)`` and
+``RingLayout`` for rotating caches that still hold every token in order.
+Restoring copies the blocks' slices into one array per part and rebuilds the
+caches with ``from_state``: nothing is quantized again.
+"""
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+
+from . import center as _center  # noqa: F401  (defines the centered caches)
+from .codebook import CodebookKVCache
+
+FORMAT = "omlx-prefix-block"
+FORMAT_VERSION = 1
+SUFFIX = ".safetensors"
+CRC_FIELD = '"crc32":"{}"'
+NO_CRC = "00000000"
+
+# safetensors dtype: (mlx dtype, numpy dtype holding its bits)
+DTYPES = {
+    "F32": (mx.float32, np.float32),
+    "F16": (mx.float16, np.float16),
+    "BF16": (mx.bfloat16, np.uint16),
+    "U32": (mx.uint32, np.uint32),
+    "U16": (mx.uint16, np.uint16),
+    "U8": (mx.uint8, np.uint8),
+    "I64": (mx.int64, np.int64),
+    "I32": (mx.int32, np.int32),
+    "I8": (mx.int8, np.int8),
+}
+DTYPE_NAMES = {mx_dtype: name for name, (mx_dtype, _) in DTYPES.items()}
+
+
+class BadBlock(Exception):
+    """A block file that does not read back as the block asked for."""
+
+
+def chain_hash(parent: str, tokens) -> str:
+    data = np.asarray(tokens, dtype="<i8").tobytes()
+    return hashlib.sha256(bytes.fromhex(parent) + data).hexdigest()
+
+
+# --- files ----------------------------------------------------------------------
+
+
+def to_numpy(x: mx.array) -> tuple[str, np.ndarray]:
+    """(safetensors dtype, a copy of the array's bits in numpy)."""
+    name = DTYPE_NAMES.get(x.dtype)
+    if name is None:
+        raise ValueError(f"Cannot store arrays of {x.dtype}.")
+    if x.dtype == mx.bfloat16:
+        x = x.view(mx.uint16)
+    return name, np.array(x, copy=True)
+
+
+def to_mlx(dtype: str, x: np.ndarray) -> mx.array:
+    out = mx.array(x)
+    return out.view(mx.bfloat16) if dtype == "BF16" else out
+
+
+def encode_header(tensors: dict, metadata: dict) -> bytes:
+    """The safetensors header of ``tensors`` ({name: (dtype, array)}), its
+    CRC field zeroed, padded to a multiple of 8 bytes."""
+    header = {"__metadata__": {**metadata, "crc32": NO_CRC}}
+    offset = 0
+    for name, (dtype, array) in tensors.items():
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    text = json.dumps(header, separators=(",", ":"))
+    return (text + " " * (-len(text) % 8)).encode()
+
+
+def write_block(path: Path, tensors: dict, metadata: dict) -> int:
+    """Write a block file: to a temporary name, fsynced, renamed, and the
+    directory fsynced. Returns the file's size."""
+    header = encode_header(tensors, metadata)
+    prefix = len(header).to_bytes(8, "little")
+    data = [memoryview(np.ascontiguousarray(a)).cast("B") for _, a in tensors.values()]
+    crc = zlib.crc32(header, zlib.crc32(prefix))
+    for part in data:
+        crc = zlib.crc32(part, crc)
+    header = header.replace(
+        CRC_FIELD.format(NO_CRC).encode(), CRC_FIELD.format(f"{crc:08x}").encode(), 1
+    )
+    temp = path.with_name(f"{path.stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            for part in (prefix, header, *data):
+                f.write(part)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    sync_directory(path.parent)
+    return len(prefix) + len(header) + sum(part.nbytes for part in data)
+
+
+def sync_directory(directory: Path):
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_block(path: Path) -> tuple[dict, dict, int]:
+    """(metadata, {name: (dtype, numpy array)}, file size) of a block file
+    whose CRC and tensor layout check out, else BadBlock. The arrays view the
+    file's bytes. A missing file raises FileNotFoundError."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise BadBlock(f"cannot read it ({e.strerror})") from None
+    if len(data) < 8:
+        raise BadBlock(f"truncated ({len(data)} bytes)")
+    n = int.from_bytes(data[:8], "little")
+    if n > len(data) - 8:
+        raise BadBlock("truncated (header)")
+    raw = data[8 : 8 + n]
+    try:
+        header = json.loads(raw)
+        metadata = header.pop("__metadata__")
+        crc = metadata["crc32"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise BadBlock("not a block file (bad header)") from None
+    if not (isinstance(crc, str) and re.fullmatch(r"[0-9a-f]{8}", crc)):
+        raise BadBlock("not a block file (no CRC)")
+    zeroed = raw.replace(
+        CRC_FIELD.format(crc).encode(), CRC_FIELD.format(NO_CRC).encode(), 1
+    )
+    view = memoryview(data)
+    found = zlib.crc32(view[8 + n :], zlib.crc32(zeroed, zlib.crc32(view[:8])))
+    if f"{found:08x}" != crc:
+        raise BadBlock("CRC mismatch (corrupt or truncated)")
+    tensors, end = {}, 0
+    try:
+        for name, info in header.items():
+            dtype, shape, (start, stop) = (
+                info["dtype"],
+                info["shape"],
+                info["data_offsets"],
+            )
+            np_dtype = np.dtype(DTYPES[dtype][1])
+            count = int(np.prod(shape, dtype=np.int64))
+            if start != end or stop - start != count * np_dtype.itemsize:
+                raise ValueError
+            array = np.frombuffer(data, np_dtype, count, offset=8 + n + start)
+            tensors[name] = (dtype, array.reshape(shape))
+            end = stop
+    except (ValueError, KeyError, TypeError):
+        raise BadBlock("bad tensor layout") from None
+    if 8 + n + end != len(data):
+        raise BadBlock("size does not match its tensors")
+    return metadata, tensors, len(data)
+
+
+def verify_block(path: Path, key: str, parent: str | None = None, index=None):
+    """``read_block``, and the metadata checked: the format, the key, the hash
+    (the file's name, and the hash of the parent and the stored tokens) and,
+    when given, the parent and the index in the chain."""
+    metadata, tensors, size = read_block(path)
+    expected = {"format": FORMAT, "version": str(FORMAT_VERSION), "key": key}
+    expected["hash"] = path.name.removesuffix(SUFFIX)
+    if parent is not None:
+        expected["parent"] = parent
+    if index is not None:
+        expected["index"] = str(index)
+    for name, value in expected.items():
+        if metadata.get(name) != value:
+            raise BadBlock(f"not this cache's block ({name} differs)")
+    stored = tensors.get("tokens")
+    if stored is None or stored[0] != "I64" or stored[1].ndim != 1:
+        raise BadBlock("no tokens")
+    if chain_hash(metadata.get("parent", ""), stored[1]) != expected["hash"]:
+        raise BadBlock("its hash does not match its tokens")
+    return metadata, tensors, size
+
+
+# --- layouts --------------------------------------------------------------------
+
+
+def _parts(x) -> list[tuple]:
+    """Keys (or values) of a state as pages of parts: an array is one page of
+    one part, a tuple of arrays one page, a list of such tuples pages."""
+    if isinstance(x, mx.array):
+        return [(x,)]
+    if isinstance(x, (tuple, list)) and x and isinstance(x[0], mx.array):
+        return [tuple(x)]
+    return [tuple(page) for page in x]
+
+
+def token_slice(pages: list[tuple], start: int, stop: int) -> tuple:
+    """Tokens ``start:stop`` (axis -2) of ``pages``, one array per part; only
+    the pages they lie in are read."""
+    pieces, page_start = [], 0
+    for page in pages:
+        page_stop = page_start + page[0].shape[-2]
+        lo, hi = max(start, page_start), min(stop, page_stop)
+        if lo < hi:
+            pieces.append(
+                tuple(x[..., lo - page_start : hi - page_start, :] for x in page)
+            )
+        page_start = page_stop
+    if len(pieces) == 1:
+        return tuple(mx.contiguous(x) for x in pieces[0])
+    return tuple(mx.concatenate(xs, axis=-2) for xs in zip(*pieces))
+
+
+def describe_settings(settings: list) -> tuple[list, list]:
+    """(JSON-able settings with arrays as {"array": i}, the arrays)."""
+    arrays = []
+
+    def walk(x):
+        if isinstance(x, mx.array):
+            arrays.append(x)
+            return {"array": len(arrays) - 1}
+        if isinstance(x, (list, tuple)):
+            return [walk(v) for v in x]
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        raise ValueError(f"cannot store a cache setting of type {type(x).__name__}")
+
+    return [walk(s) for s in settings], arrays
+
+
+def restore_settings(described: list, arrays: list) -> list:
+    def walk(x):
+        if isinstance(x, dict):
+            return arrays[x["array"]]
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        return x
+
+    return [walk(s) for s in described]
+
+
+@dataclass
+class LayerState:
+    """What the blocks store of one layer's cache."""
+
+    cls: type
+    layout: "LinearLayout"
+    keys: list  # pages of parts
+    values: list
+    plain: bool  # the state holds keys and values as arrays, not tuples
+    settings: list  # JSON-able, arrays as {"array": i}
+    arrays: list
+
+    def describe(self) -> dict:
+        return {
+            "class": self.cls.__name__,
+            "layout": self.layout.name,
+            "keys": len(self.keys[0]),
+            "values": len(self.values[0]),
+            "plain": self.plain,
+            "settings": self.settings,
+        }
+
+
+class LinearLayout:
+    """Caches whose state is ``(keys, values, offset, *settings)``, token ``i``
+    at index ``i`` of axis -2."""
+
+    name = "linear"
+
+    def length(self, cache) -> int:
+        """Tokens held in order from the first (0: none usable)."""
+        return 0 if cache.empty() else int(cache.state[2])
+
+    def settings(self, state) -> list:
+        return list(state[3:])
+
+    def split(self, cache) -> LayerState:
+        state = cache.state
+        settings, arrays = describe_settings(self.settings(state))
+        keys, values = _parts(state[0]), _parts(state[1])
+        plain = isinstance(state[0], mx.array)
+        return LayerState(type(cache), self, keys, values, plain, settings, arrays)
+
+    def build(self, cls, keys, values, length: int, settings: list):
+        return cls.from_state([keys, values, length, *settings])
+
+
+class RingLayout(LinearLayout):
+    """Rotating caches, state ``(keys, values, offset, keep, max_size, idx,
+    *settings)``: usable while they hold every token in order (``idx ==
+    offset``, the window not yet wrapped)."""
+
+    name = "ring"
+
+    def length(self, cache) -> int:
+        if cache.empty():
+            return 0
+        state = cache.state
+        offset, idx = int(state[2]), int(state[5])
+        return offset if idx == offset else 0
+
+    def settings(self, state) -> list:
+        settings = list(state[3:])
+        settings[2] = None  # the ring index: the restored length
+        return settings
+
+    def build(self, cls, keys, values, length: int, settings: list):
+        keep, max_size, _, *rest = settings
+        return cls.from_state([keys, values, length, keep, max_size, length, *rest])
+
+
+LAYOUTS = {
+    KVCache: LinearLayout(),
+    QuantizedKVCache: LinearLayout(),
+    CodebookKVCache: LinearLayout(),
+    RotatingKVCache: RingLayout(),
+}
+
+
+def layout_of(cls):
+    """The layout of a cache class (its nearest base that has one), or None."""
+    for base in cls.__mro__:
+        if base in LAYOUTS:
+            return LAYOUTS[base]
+    return None
+
+
+def cache_class(name: str):
+    """The class of that name among those with a layout and their subclasses
+    defined so far (never an import named by a file), or None."""
+    todo = list(LAYOUTS)
+    while todo:
+        cls = todo.pop(0)
+        if cls.__name__ == name:
+            return cls
+        todo.extend(cls.__subclasses__())
+    return None
+
+
+def block_tensors(layers: list, tokens, start: int, stop: int) -> dict:
+    """The tensors of the block of tokens ``start:stop`` ({name: (dtype,
+    numpy array)}), evaluated in the calling thread."""
+    slices = {}
+    for n, layer in enumerate(layers):
+        for kind, pages in (("keys", layer.keys), ("values", layer.values)):
+            for j, x in enumerate(token_slice(pages, start, stop)):
+                slices[f"{n}.{kind}.{j}"] = x
+        for j, x in enumerate(layer.arrays):
+            slices[f"{n}.settings.{j}"] = x
+    mx.eval(list(slices.values()))
+    tensors = {"tokens": ("I64", np.asarray(tokens[start:stop], dtype=np.int64))}
+    tensors.update((name, to_numpy(x)) for name, x in slices.items())
+    return tensors
+
+
+class Plan:
+    """Restoring a chain of blocks (full ones of ``block_tokens`` tokens, the
+    last possibly partial): per layer, one array per part for all its tokens,
+    into which each block is copied, and what every block must share with the
+    first (classes and settings)."""
+
+    def __init__(self, metadata: dict, tensors: dict, length: int, block_tokens: int):
+        self.block_tokens = block_tokens
+        self.described = json.loads(metadata["layers"])
+        first = len(tensors["tokens"][1])
+        self.layers = []
+        for n, d in enumerate(self.described):
+            cls = cache_class(d["class"])
+            if cls is None or layout_of(cls).name != d["layout"]:
+                raise BadBlock(f"unknown cache class {d['class']!r}")
+            dest = {}
+            for kind in ("keys", "values"):
+                dest[kind] = []
+                for j in range(int(d[kind])):
+                    dtype, x = tensors[f"{n}.{kind}.{j}"]
+                    if x.ndim < 2 or x.shape[-2] != first:
+                        raise BadBlock(f"{n}.{kind}.{j} does not hold {first} tokens")
+                    shape = (*x.shape[:-2], length, x.shape[-1])
+                    dest[kind].append((dtype, np.empty(shape, x.dtype)))
+            settings, j = [], 0
+            while f"{n}.settings.{j}" in tensors:
+                settings.append(tensors[f"{n}.settings.{j}"])
+                j += 1
+            self.layers.append((cls, d, dest, settings))
+
+    @classmethod
+    def from_block(cls, metadata, tensors, length: int, block_tokens: int):
+        """The plan for ``length`` tokens from the chain's first block."""
+        try:
+            plan = cls(metadata, tensors, length, block_tokens)
+        except (KeyError, TypeError, ValueError) as e:
+            raise BadBlock(f"bad layer description ({type(e).__name__})") from None
+        plan.copy(0, tensors)
+        return plan
+
+    def matches(self, metadata: dict, tensors: dict) -> bool:
+        """Whether a later block has the first's classes and settings (a block
+        of another sequence with other settings, e.g. a centered cache's means,
+        ends the chain without being a fault)."""
+        try:
+            described = json.loads(metadata["layers"])
+        except (KeyError, ValueError):
+            raise BadBlock("bad layer description") from None
+        if described != self.described:
+            return False
+        for n, (_, _, _, settings) in enumerate(self.layers):
+            for j, (dtype, x) in enumerate(settings):
+                other = tensors.get(f"{n}.settings.{j}")
+                if (
+                    other is None
+                    or other[0] != dtype
+                    or not np.array_equal(other[1], x)
+                ):
+                    return False
+        return True
+
+    def copy(self, i: int, tensors: dict):
+        """Copy block ``i``'s slices into place (BadBlock if they do not fit)."""
+        start = i * self.block_tokens
+        count = len(tensors["tokens"][1])
+        try:
+            for n, (_, _, dest, _) in enumerate(self.layers):
+                for kind, parts in dest.items():
+                    for j, (dtype, array) in enumerate(parts):
+                        got, x = tensors[f"{n}.{kind}.{j}"]
+                        fits = x.shape[:-2] == array.shape[:-2] and x.shape[-2] == count
+                        if got != dtype or not fits or start + count > array.shape[-2]:
+                            raise ValueError
+                        array[..., start : start + count, :] = x
+        except (KeyError, ValueError):
+            raise BadBlock("its arrays do not match the first block's") from None
+
+    def build(self, length: int) -> list:
+        """The caches of the chain's first ``length`` tokens."""
+        caches = []
+        for cls, d, dest, settings in self.layers:
+            keys, values = (
+                tuple(to_mlx(dtype, a[..., :length, :]) for dtype, a in dest[kind])
+                for kind in ("keys", "values")
+            )
+            if d["plain"]:
+                keys, values = keys[0], values[0]
+            arrays = [to_mlx(dtype, x) for dtype, x in settings]
+            settings = restore_settings(d["settings"], arrays)
+            layout = layout_of(cls)
+            caches.append(layout.build(cls, keys, values, length, settings))
+        return caches

@@ -1,0 +1,349 @@
+"""The disk tier (omlx_cache.disk_cache) in process, on real files: a tiny
+random llama's caches of every supported kind go to disk in blocks and come
+back bit for bit; bad files are skipped, warned about once and removed; the
+byte cap evicts least recently used blocks; a write that fails stops writing.
+The real server with the tier: tests/test_disk_cache_server.py."""
+
+import argparse
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import sys
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.server import make_prompt_cache_tier
+from tiny_llama import make_model
+
+from omlx_cache.blocks import read_block, token_slice
+from omlx_cache.center import CenteredQuantizedKVCache
+from omlx_cache.codebook import CodebookKVCache
+from omlx_cache.disk_cache import DiskPromptCache, check_directory, main
+
+B = 32  # tokens a block
+MODEL = ("tiny-llama", None, None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return mx.random.randint(0, 320, (300,), key=mx.random.key(3)).tolist()
+
+
+def prefill(model, cache, tokens):
+    logits = model(mx.array(tokens)[None], cache=cache)
+    mx.eval(logits, [c.state for c in cache])
+    return logits
+
+
+KINDS = {
+    "fp": lambda m: make_prompt_cache(m),
+    "8,4": lambda m: make_prompt_cache(m, kv_bits=(8, 4)),
+    "4+rotate": lambda m: make_prompt_cache(m, kv_bits=4, kv_rotate=True),
+    "rotating": lambda m: make_prompt_cache(m, max_kv_size=512),
+    "rotating-8": lambda m: make_prompt_cache(m, max_kv_size=512, kv_bits=8),
+    "center-kv": lambda m: [
+        CenteredQuantizedKVCache(64, 4, center="kv") for _ in m.layers
+    ],
+    "codebook-3,4": lambda m: [CodebookKVCache(3, 4) for _ in m.layers],
+}
+
+
+def stored(model, tokens, kind, n_tokens):
+    """A cache of ``kind`` that prefilled ``n_tokens`` in two updates."""
+    cache = KINDS[kind](model)
+    prefill(model, cache, tokens[: n_tokens // 3])
+    prefill(model, cache, tokens[n_tokens // 3 : n_tokens])
+    return cache
+
+
+def tier(directory, **kwargs):
+    return DiskPromptCache(directory, block_tokens=B, **kwargs)
+
+
+def assert_same_cache(a, b, n):
+    from omlx_cache.blocks import layout_of
+
+    assert [type(c) for c in a] == [type(c) for c in b]
+    for x, y in zip(a, b):
+        sx, sy = layout_of(type(x)).split(x), layout_of(type(y)).split(y)
+        assert sx.settings == sy.settings
+        for px, py in ((sx.keys, sy.keys), (sx.values, sy.values)):
+            for u, v in zip(token_slice(px, 0, n), token_slice(py, 0, n)):
+                assert u.dtype == v.dtype
+                assert mx.array_equal(u, v).item()
+        for u, v in zip(sx.arrays, sy.arrays):
+            assert mx.array_equal(u, v).item()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_round_trip(model, tokens, tmp_path, kind):
+    cache = stored(model, tokens, kind, 250)
+    writer = tier(tmp_path)
+    writer.insert(MODEL, tokens[:250], cache)
+    writer.flush()
+    assert writer.stats.written_blocks == 250 // B + 1  # and a tail
+    # plain safetensors files
+    for path in tmp_path.glob("*/*.safetensors"):
+        arrays, metadata = mx.load(str(path), return_metadata=True)
+        assert metadata["format"] == "omlx-prefix-block" and "0.keys.0" in arrays
+
+    # a new tier on the directory, as after a restart
+    restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
+    assert n == 250
+    assert_same_cache(cache, restored, n)
+    # the model goes on from it as from the original, trimmed (up to float
+    # rounding: attention tiles follow the pages, one page after a restore)
+    for c in cache:
+        c.trim(250 - n)
+    expected = prefill(model, cache, tokens[n:280])
+    logits = prefill(model, restored, tokens[n:280])
+    assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item()
+    assert mx.array_equal(logits.argmax(-1), expected.argmax(-1)).item()
+
+
+def test_fetch_limits(model, tokens, tmp_path):
+    t = tier(tmp_path)
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
+    t.flush()
+    # seven blocks and a tail of 26 tokens
+    assert t.fetch(MODEL, tokens, 0)[1] == 250
+    # never the whole prompt: a token must be left to compute
+    assert t.fetch(MODEL, tokens[:250], 0)[1] == 224
+    assert t.fetch(MODEL, tokens[:224], 0)[1] == 192
+    # nothing shorter than the memory's match
+    assert t.fetch(MODEL, tokens, 250) is None
+    assert t.fetch(MODEL, tokens, 249)[1] == 250
+    # another prompt shares the first block only
+    other = tokens[:40] + [(x + 1) % 320 for x in tokens[40:]]
+    assert t.fetch(MODEL, other, 0)[1] == B
+
+
+def test_key_separates_models_and_settings(model, tokens, tmp_path):
+    settings = {"kv_bits": [8, 4], "kv_group_size": 64}
+    t = tier(tmp_path, settings=settings)
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
+    t.flush()
+    assert tier(tmp_path, settings=settings).fetch(MODEL, tokens, 0) is not None
+    assert (
+        tier(tmp_path, settings={**settings, "kv_bits": 4}).fetch(MODEL, tokens, 0)
+        is None
+    )
+    assert tier(tmp_path, settings=settings).fetch(("other",), tokens, 0) is None
+    assert (
+        DiskPromptCache(tmp_path, settings=settings, block_tokens=16).fetch(
+            MODEL, tokens, 0
+        )
+        is None
+    )
+
+
+def test_model_identity_covers_config(model, tokens, tmp_path):
+    weights = tmp_path / "model"
+    weights.mkdir()
+    (weights / "config.json").write_text('{"hidden_size": 128}')
+    key = (str(weights), None, None)
+    t = tier(tmp_path / "cache")
+    t.insert(key, tokens[:100], stored(model, tokens, "fp", 100))
+    t.flush()
+    assert tier(tmp_path / "cache").fetch(key, tokens, 0) is not None
+    (weights / "config.json").write_text('{"hidden_size": 256}')
+    assert tier(tmp_path / "cache").fetch(key, tokens, 0) is None
+
+
+def block_files(directory):
+    """{index in its chain: path} of the block files under ``directory``."""
+    files = {}
+    for path in directory.glob("*/*.safetensors"):
+        files[int(read_block(path)[0]["index"])] = path
+    return files
+
+
+def flip_byte(path, offset):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def corrupt(path):
+    flip_byte(path, path.stat().st_size - 100)
+
+
+def truncate(path):
+    os.truncate(path, path.stat().st_size // 2)
+
+
+def garbage(path):
+    path.write_bytes(b"not a safetensors file")
+
+
+def bad_header(path):
+    flip_byte(path, 20)
+
+
+@pytest.mark.parametrize("damage", [corrupt, truncate, garbage, bad_header])
+def test_bad_block_is_skipped_and_removed(model, tokens, tmp_path, caplog, damage):
+    t = tier(tmp_path)
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
+    t.flush()
+    victim = block_files(tmp_path)[3]
+    damage(victim)
+    with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
+        _, n = tier(tmp_path).fetch(MODEL, tokens, 0)
+    assert n == 3 * B  # the blocks before the bad one
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and victim.name in warnings[0].getMessage()
+    assert "\n" not in warnings[0].getMessage()
+    assert not victim.exists()
+
+
+def test_foreign_block_is_skipped_and_removed(model, tokens, tmp_path, caplog):
+    """Another key's block put under this key's name (same tokens): skipped."""
+    ours, theirs = tmp_path / "ours", tmp_path / "theirs"
+    for directory, kind in ((ours, "8,4"), (theirs, "fp")):
+        t = tier(directory, settings={"kind": kind})
+        t.insert(MODEL, tokens[:250], stored(model, tokens, kind, 250))
+        t.flush()
+    victim = block_files(ours)[2]
+    shutil.copy(block_files(theirs)[2], victim)
+    with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
+        _, n = tier(ours, settings={"kind": "8,4"}).fetch(MODEL, tokens, 0)
+    assert n == 2 * B
+    assert [r.getMessage() for r in caplog.records if "key differs" in r.getMessage()]
+    assert not victim.exists()
+
+
+def test_check_directory(model, tokens, tmp_path, capsys):
+    t = tier(tmp_path)
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "4+rotate", 250))
+    t.flush()
+    assert check_directory(tmp_path) == (8, [])  # seven and a tail
+    corrupt(block_files(tmp_path)[5])
+    good, bad = check_directory(tmp_path)
+    assert good == 7 and len(bad) == 1 and "CRC" in bad[0][1]
+    assert main(["check", str(tmp_path), "--remove"]) == 1
+    assert "7 good blocks, 1 bad" in capsys.readouterr().out
+    assert check_directory(tmp_path) == (7, [])
+
+
+def test_byte_cap_evicts_least_recently_used(model, tokens, tmp_path):
+    cache = stored(model, tokens, "fp", 250)
+    block_bytes = tier(tmp_path / "probe")
+    block_bytes.insert(MODEL, tokens[: B + 1], cache)
+    block_bytes.flush()
+    size = block_bytes.nbytes
+    # room for five blocks
+    t = tier(tmp_path / "capped", max_bytes=5 * size + size // 2)
+    t.insert(MODEL, tokens[:128], cache)  # blocks 0-3 of one chain
+    t.flush()
+    other = [(x + 7) % 320 for x in tokens]
+    t.insert(MODEL, other[:64], stored(model, other, "fp", 64))  # two more
+    t.flush()
+    assert t.nbytes <= t.max_bytes
+    # the first chain lost its tail, not its head
+    assert t.fetch(MODEL, tokens, 0)[1] == 3 * B
+    assert t.fetch(MODEL, other, 0)[1] == 2 * B
+    # and the cap holds across a restart
+    assert tier(tmp_path / "capped", max_bytes=t.max_bytes).nbytes <= t.max_bytes
+
+
+def test_write_error_stops_writing_not_serving(model, tokens, tmp_path, caplog):
+    """A file size limit (RLIMIT_FSIZE) makes the writes fail with EFBIG."""
+    t = tier(tmp_path)
+    t.insert(MODEL, tokens[:100], stored(model, tokens, "fp", 100))
+    t.flush()
+    assert t.stats.written_blocks == 4  # three and a tail
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, hard))
+    try:
+        with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
+            t.insert(MODEL, tokens[:250], stored(model, tokens, "fp", 250))
+            t.flush()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert not t.writable
+    assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
+    assert not list(tmp_path.glob("*/*.tmp"))
+    assert t.fetch(MODEL, tokens, 0)[1] == 100
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "fp", 250))
+    t.flush()
+    assert t.stats.written_blocks == 4
+
+
+def test_temporary_files_of_dead_writers_are_removed(tmp_path):
+    ns = tmp_path / ("a" * 32)
+    ns.mkdir()
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    left = ns / f"{'b' * 64}.{dead.stdout.strip()}.0a1b.tmp"
+    live = ns / f"{'c' * 64}.{os.getppid()}.0a1b.tmp"
+    for path in (left, live):
+        path.write_bytes(b"partial")
+    tier(tmp_path)
+    assert not left.exists() and live.exists()
+
+
+def test_server_hook_finds_the_disk_tier(model, tokens, tmp_path):
+    """The installed entry point builds the tier from the server's flags, and
+    LRUPromptCache falls back to it when the memory lost a prompt."""
+    args = argparse.Namespace(
+        prompt_cache_dir=str(tmp_path),
+        prompt_cache_disk_bytes=1 << 30,
+        prompt_cache_tier="disk",
+        kv_bits=None,
+        kv_group_size=64,
+        kv_rotate=False,
+        max_kv_size=None,
+        quantized_kv_start=0,
+    )
+    disk = make_prompt_cache_tier(args)
+    assert isinstance(disk, DiskPromptCache) and disk.max_bytes == 1 << 30
+    memory = LRUPromptCache(max_size=1, tier=disk)
+    memory.insert_cache(MODEL, tokens[:600], stored(model, tokens, "fp", 300))
+    other = [(x + 1) % 320 for x in tokens]
+    memory.insert_cache(MODEL, other[:100], stored(model, other, "fp", 100))
+    disk.flush()
+    cache, rest = memory.fetch_nearest_cache(MODEL, tokens[:280])
+    assert len(rest) == 280 - 256 and cache[0].offset == 256
+
+
+def test_disk_bench_synthetic(tmp_path):
+    """The GPU measurement's script, at a tiny shape: every scheme restores the
+    prefix and answers as a prefill from scratch."""
+    from omlx_cache import disk_bench
+
+    report = disk_bench.main(
+        [
+            "synthetic",
+            "--preset",
+            "tiny-cpu",
+            "--prefix",
+            "256",
+            "--suffix",
+            "8",
+            "--prefill-step",
+            "128",
+            "--block-tokens",
+            "64",
+            "--answer-tokens",
+            "3",
+            "--out",
+            str(tmp_path / "report.json"),
+        ]
+    )
+    assert [r["scheme"] for r in report["synthetic"]] == ["fp16", "8,4", "4"]
+    for row in report["synthetic"]:
+        assert row["restored_tokens"] == 256
+        assert row["identical_cold"] and row["identical_warm"]
+    assert (tmp_path / "report.json").exists()
