@@ -40,7 +40,9 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from .bench import REPO_ROOT, device_info, log, versions, write_json
+from .bench.common import log, write_json
+from .bench.models import REPO_ROOT
+from .bench.run import device_info, versions
 from .disk_cache import BLOCK_TOKENS_ENV, DiskPromptCache, wait_for_blocks
 
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
