@@ -37,6 +37,8 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-f32"
 DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 DEFAULT_SCHEMES = ("fp16", "8", "8,4", "4")
 REFERENCE = "fp16"
+# the context at which kept tokens' bits are averaged in (Scheme.average_bits)
+AVERAGE_CONTEXT = 4096
 Z95 = 1.959963984540054
 
 
@@ -132,11 +134,17 @@ def token_stats(logprobs: mx.array, targets: mx.array, reference: mx.array):
 
 def stored_kv(layer_cache):
     """The keys and values one layer's cache holds for its tokens, without the
-    rows it allocated ahead."""
+    rows it allocated ahead; unquantized copies of its first tokens
+    (``keep_exact``) included."""
     if hasattr(layer_cache, "keys_and_values"):
-        return layer_cache.keys_and_values()
-    # KVCache's state is sliced to its offset
-    return layer_cache.state[:2]
+        keys, values = layer_cache.keys_and_values()
+    else:
+        # KVCache's state is sliced to its offset
+        keys, values = layer_cache.state[:2]
+    exact_keys = getattr(layer_cache, "exact_keys", None)
+    if exact_keys is not None:
+        keys, values = (keys, exact_keys), (values, layer_cache.exact_values)
+    return keys, values
 
 
 def tree_nbytes(tree) -> int:
@@ -319,6 +327,10 @@ def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
         "top1": 100 * agree / n,
         "top1_ci": [100 * x for x in wilson_ci(agree, n)],
         "bits_per_element": dict(zip("kv", run.scheme.bits_per_element)),
+        "kept_tokens": run.scheme.kept_tokens,
+        f"bits_per_element_at_{AVERAGE_CONTEXT}": dict(
+            zip("kv", run.scheme.average_bits(AVERAGE_CONTEXT))
+        ),
         "stored_bits_per_element": {
             "k": 8 * footprint.key_bytes / plain.key_elements,
             "v": 8 * footprint.value_bytes / plain.value_elements,
@@ -340,8 +352,16 @@ def format_ci(ci, digits: int) -> str:
     return f"{ci[0]:.{digits}f}–{ci[1]:.{digits}f}"
 
 
-def format_row(r: dict) -> str:
+def format_bits(r: dict) -> str:
     bits = r["bits_per_element"]
+    text = f"{bits['k']:g} / {bits['v']:g}"
+    if r.get("kept_tokens"):
+        average = r[f"bits_per_element_at_{AVERAGE_CONTEXT}"]
+        text += f" ({average['k']:.4g} / {average['v']:.4g} at {AVERAGE_CONTEXT})"
+    return text
+
+
+def format_row(r: dict) -> str:
     delta = (
         "ref"
         if r["reference"]
@@ -349,7 +369,7 @@ def format_row(r: dict) -> str:
     )
     cells = [
         r["kv"],
-        f"{bits['k']:g} / {bits['v']:g}",
+        format_bits(r),
         f"{r['ppl']:.3f} ({format_ci(r['ppl_ci'], 2)})",
         delta,
         f"{r['kld']:.4f} ± {(r['kld_ci'][1] - r['kld_ci'][0]) / 2:.4f}",
@@ -368,7 +388,9 @@ TABLE_HEADER = (
 
 TABLE_NOTES = (
     "bits/elem: the codes plus a 16-bit scale and bias per group (b + 32/g), as a "
-    "float16/bfloat16 model stores them. Stored KV bytes/token: K + V over all layers "
+    "float16/bfloat16 model stores them; with kept tokens (+exactN), in brackets "
+    f"the average over {AVERAGE_CONTEXT} tokens, each kept token adding 16 bits per "
+    "element to its quantized copy. Stored KV bytes/token: K + V over all layers "
     "for one token as this run holds them, in the model's dtype (a float32 model keeps "
     "float32 scales, biases and reference K/V); rows allocated ahead are not counted. "
     "s: seconds of forward passes for the scheme, all windows."
@@ -383,10 +405,11 @@ def format_table(results: Sequence[dict]) -> str:
 def element_bits(r: dict) -> dict:
     """(k, v) bits per element as a float16 model stores them: codebook
     schemes as stored (their norms are float16 at this head dim), affine ones
-    with 16-bit scales and biases (a float32 run stores float32 ones)."""
+    with 16-bit scales and biases (a float32 run stores float32 ones) and kept
+    tokens averaged over ``AVERAGE_CONTEXT`` tokens."""
     if r["kv"].startswith("codebook"):
         return r["stored_bits_per_element"]
-    return r["bits_per_element"]
+    return r.get(f"bits_per_element_at_{AVERAGE_CONTEXT}", r["bits_per_element"])
 
 
 def summary_table(results: Sequence[dict]) -> str:

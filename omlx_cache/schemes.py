@@ -1,7 +1,7 @@
 """KV cache schemes by name, for evaluation and benchmarks.
 
-A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate`` or
-``4+rotate+center/g32`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
+A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate``,
+``4+rotate+center/g32`` or ``4+rotate+exact4`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
 a factory ``(model) -> list of caches`` plus the bits per element the format
 costs.
 
@@ -46,6 +46,15 @@ class Scheme:
     group_size: tuple[int, int] | None = None
     # the plain cache every other scheme is compared against
     is_reference: bool = False
+    # tokens per sequence also kept unquantized (``keep_exact``), 16 bits an
+    # element each on top of ``bits_per_element``
+    kept_tokens: int = 0
+
+    def average_bits(self, context: int) -> tuple[float, float]:
+        """(key, value) bits per element averaged over a sequence of
+        ``context`` tokens, the kept tokens included."""
+        extra = SCALE_BITS * min(self.kept_tokens, context) / context
+        return tuple(b + extra for b in self.bits_per_element)
 
 
 @dataclass(frozen=True)
@@ -90,7 +99,9 @@ def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
         if type(cache) is KVCache:
             return window
         if type(cache) is QuantizedKVCache:
-            return window.to_quantized(cache.group_size, cache.bits, cache.rotate)
+            return window.to_quantized(
+                cache.group_size, cache.bits, cache.rotate, cache.keep_exact
+            )
         if type(cache) is CenteredQuantizedKVCache:
             return CenteredQuantizedRotatingKVCache(
                 max_kv_size,
@@ -99,6 +110,7 @@ def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
                 cache.bits,
                 cache.rotate,
                 cache.center,
+                cache.keep_exact,
             )
         raise ValueError(
             f"Scheme {scheme.name!r} has no bounded-context form "
@@ -172,6 +184,7 @@ def affine_bits(bits: int, group_size: int) -> float:
 
 CENTER_SUFFIX = r"(?P<center>\+center(?P<center_values>-kv)?)?"
 GROUP_SUFFIX = r"(/g(?P<groups>\d+(,\d+)?))?"
+EXACT_SUFFIX = r"(\+exact(?P<exact>\d+))?"
 
 
 def center_option(center, center_values) -> str:
@@ -184,12 +197,14 @@ def center_option(center, center_values) -> str:
 @register(
     r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?(?P<rotate>\+rotate)?"
     + CENTER_SUFFIX
+    + EXACT_SUFFIX
     + GROUP_SUFFIX,
-    syntax="B or K,V [+rotate] [+center|+center-kv] [/gG or /gGK,GV]",
+    syntax="B or K,V [+rotate] [+center|+center-kv] [+exactN] [/gG or /gGK,GV]",
     help="mlx affine QuantizedKVCache from the first token, K and V bits; "
     "+rotate stores keys and values rotated before quantizing them; +center "
     "stores keys minus their per-head mean of the first write "
-    "(CenteredQuantizedKVCache), +center-kv values too; /g: group size "
+    "(CenteredQuantizedKVCache), +center-kv values too; +exactN keeps each "
+    "sequence's first N tokens unquantized too (keep_exact=N); /g: group size "
     "(else --kv-group-size)",
 )
 def affine(
@@ -200,9 +215,11 @@ def affine(
     rotate=None,
     center=None,
     center_values=None,
+    exact=None,
     groups=None,
 ):
     bits = (int(key_bits), int(value_bits or key_bits))
+    keep_exact = int(exact or 0)
     if groups is not None:
         group_size = parse_group_size(groups)
     group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
@@ -213,7 +230,11 @@ def affine(
         # as generation makes them: sliding-window layers get quantized
         # rotating caches
         caches = make_prompt_cache(
-            model, kv_bits=bits, kv_group_size=group_sizes, kv_rotate=rotate
+            model,
+            kv_bits=bits,
+            kv_group_size=group_sizes,
+            kv_rotate=rotate,
+            kv_keep_exact=keep_exact,
         )
         if center:
             caches = [centered(c, center) for c in caches]
@@ -224,6 +245,7 @@ def affine(
         make_cache,
         bits_per_element=tuple(map(affine_bits, bits, group_sizes)),
         group_size=group_sizes,
+        kept_tokens=keep_exact,
     )
 
 

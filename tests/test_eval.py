@@ -190,3 +190,26 @@ def test_main_writes_json(tmp_path, model, capsys):
     kv_eval.main(["--table", str(out)])
     short = capsys.readouterr().out
     assert "| fp16 | 16 / 16 | ref (PPL" in short and "| 4 | 4.5 / 4.5 | " in short
+
+
+def test_kept_tokens_scheme(model, windows):
+    s = schemes.get_scheme("4+rotate+center+exact4")
+    assert s.kept_tokens == 4 and s.bits_per_element == (4.5, 4.5)
+    assert s.average_bits(4096) == (4.5 + 16 * 4 / 4096,) * 2
+    cache = s.make_cache(model)[0]
+    assert (cache.keep_exact, cache.rotate, cache.center) == (4, True, "k")
+    window = schemes.windowed(s, 32).make_cache(model)[0]
+    assert (window.keep_exact, window.max_size, window.center) == (4, 32, "k")
+
+    kv = [schemes.get_scheme(name) for name in ("fp16", "4", "4+exact4")]
+    r = by_name(kv_eval.evaluate_tokens(model, windows[:1], kv, chunk=32))
+    # the kept tokens make the 4-bit cache closer to fp16
+    assert r["4+exact4"]["kld"] < r["4"]["kld"]
+    assert r["4+exact4"]["kept_tokens"] == 4
+    assert r["4+exact4"]["bits_per_element_at_4096"]["k"] == 4.5 + 16 * 4 / 4096
+    # the stored bytes count the kept tokens, float32 here: 4 tokens of 2
+    # layers x 2 kv heads x 64 dims, keys and values, spread over 95 tokens
+    kept = 4 * 2 * 2 * 64 * 2 * 4 / 95
+    extra = r["4+exact4"]["cache_bytes_per_token"] - r["4"]["cache_bytes_per_token"]
+    assert extra == pytest.approx(kept)
+    assert "(4.516 / 4.516 at 4096)" in kv_eval.format_row(r["4+exact4"])
