@@ -213,3 +213,58 @@ def test_kept_tokens_scheme(model, windows):
     extra = r["4+exact4"]["cache_bytes_per_token"] - r["4"]["cache_bytes_per_token"]
     assert extra == pytest.approx(kept)
     assert "(4.516 / 4.516 at 4096)" in kv_eval.format_row(r["4+exact4"])
+
+
+def test_passkey_prompt(tmp_path, model):
+    from mlx_lm import load
+
+    write_model_dir(tmp_path / "tiny", model)
+    _, tokenizer = load(str(tmp_path / "tiny"))
+    assert kv_eval.passkey_depths(3) == [0.0, 0.5, 1.0]
+    assert kv_eval.passkey_key(4096, 2) == kv_eval.passkey_key(4096, 2)
+    assert kv_eval.passkey_key(4096, 2) != kv_eval.passkey_key(8192, 2)
+    needle_at = []
+    for depth in (0.0, 0.5, 1.0):
+        p = kv_eval.passkey_prompt(tokenizer, 400, depth, "68755", bos=1)
+        assert p.tokens[0] == 1
+        # whole filler lines: at most one short of the context
+        filler = len(kv_eval.encode(tokenizer, kv_eval.PASSKEY_FILLER))
+        assert 400 - filler < len(p.tokens) + len(p.answer) <= 400
+        text = tokenizer.decode(p.tokens)
+        assert text.endswith(kv_eval.PASSKEY_QUESTION)
+        assert tokenizer.decode(p.answer).strip() == "68755"
+        needle_at.append(text.index("The pass key is 68755"))
+    assert needle_at == sorted(needle_at) and needle_at[0] < needle_at[-1]
+    with pytest.raises(ValueError, match="needs more than"):
+        kv_eval.passkey_prompt(tokenizer, 30, 0.5, "68755")
+    with pytest.raises(ValueError, match="1 or more"):
+        kv_eval.passkey_depths(0)
+
+
+def test_main_dtype_and_passkey(tmp_path, model, capsys):
+    model_dir = tmp_path / "tiny"
+    write_model_dir(model_dir, model)
+    text = tmp_path / "text.raw"
+    text.write_bytes(TEXT.encode())
+    out = tmp_path / "eval.json"
+    argv = ["--model", str(model_dir), "--text", str(text), "--kv", "8,4+exact4"]
+    argv += ["--windows", "1", "--window-tokens", "48", "--chunk", "16"]
+    argv += ["--dtype", "bfloat16", "--passkey", "300,400", "--passkey-depths", "2"]
+    kv_eval.main([*argv, "--passkey-chunk", "64", "--out", str(out)])
+
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16"
+    assert report["passkey_depths"] == [0.0, 1.0]
+    for r in report["results"]:
+        assert list(r["passkey"]) == ["300", "400"]
+        for trials in r["passkey"].values():
+            assert trials["trials"] == 2
+            assert trials["correct"] == sum(t["correct"] for t in trials["runs"])
+            assert [t["depth"] for t in trials["runs"]] == [0.0, 1.0]
+            assert all(t["tokens"] <= 400 for t in trials["runs"])
+    # a bfloat16 model against its own bfloat16 cache
+    assert report["results"][0]["kld"] == 0.0
+    printed = capsys.readouterr().out
+    assert "| passkey |" in printed and "300: " in printed
+    with pytest.raises(SystemExit):
+        kv_eval.parse_args(["--passkey", "4096,x"])
