@@ -175,6 +175,7 @@ class Footprint:
     value_elements: int
     # bytes allocated, including rows allocated ahead of the offset
     allocated_bytes: int
+    layers: int = 0
 
 
 def cache_footprint(cache: list) -> Footprint:
@@ -192,6 +193,7 @@ def cache_footprint(cache: list) -> Footprint:
         key_elements=key_elements,
         value_elements=value_elements,
         allocated_bytes=sum(c.nbytes for c in cache),
+        layers=len(cache),
     )
 
 
@@ -456,10 +458,13 @@ def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
         "kld_ci": kld_ci,
         "top1": 100 * agree / n,
         "top1_ci": [100 * x for x in wilson_ci(agree, n)],
-        "bits_per_element": dict(zip("kv", run.scheme.bits_per_element)),
+        "bits_per_element": dict(
+            zip("kv", run.scheme.average_bits(num_layers=footprint.layers))
+        ),
         "kept_tokens": run.scheme.kept_tokens,
+        "high_layers": list(run.scheme.high_layers),
         f"bits_per_element_at_{AVERAGE_CONTEXT}": dict(
-            zip("kv", run.scheme.average_bits(AVERAGE_CONTEXT))
+            zip("kv", run.scheme.average_bits(AVERAGE_CONTEXT, footprint.layers))
         ),
         "stored_bits_per_element": {
             "k": 8 * footprint.key_bytes / plain.key_elements,
@@ -485,7 +490,7 @@ def format_ci(ci, digits: int) -> str:
 def format_bits(r: dict) -> str:
     bits = r["bits_per_element"]
     text = f"{bits['k']:g} / {bits['v']:g}"
-    if r.get("kept_tokens"):
+    if r.get("kept_tokens") or r.get("high_layers"):
         average = r[f"bits_per_element_at_{AVERAGE_CONTEXT}"]
         text += f" ({average['k']:.4g} / {average['v']:.4g} at {AVERAGE_CONTEXT})"
     return text

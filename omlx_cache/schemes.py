@@ -1,7 +1,7 @@
 """KV cache schemes by name, for evaluation and benchmarks.
 
 A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate``,
-``4+rotate+center/g32`` or ``4+rotate+exact4`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
+``4+rotate+center/g32``, ``4+rotate+exact4`` or ``4+rotate+k8@11`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
 a factory ``(model) -> list of caches`` plus the bits per element the format
 costs.
 
@@ -49,12 +49,33 @@ class Scheme:
     # tokens per sequence also kept unquantized (``keep_exact``), 16 bits an
     # element each on top of ``bits_per_element``
     kept_tokens: int = 0
+    # layers stored with more bits, and their (key, value) bits per element
+    high_layers: tuple[int, ...] = ()
+    high_bits_per_element: tuple[float, float] | None = None
 
-    def average_bits(self, context: int) -> tuple[float, float]:
+    def average_bits(
+        self, context: int | None = None, num_layers: int | None = None
+    ) -> tuple[float, float]:
         """(key, value) bits per element averaged over a sequence of
-        ``context`` tokens, the kept tokens included."""
-        extra = SCALE_BITS * min(self.kept_tokens, context) / context
-        return tuple(b + extra for b in self.bits_per_element)
+        ``context`` tokens (the kept tokens included; None: left out) and,
+        for a scheme with ``high_layers``, over the ``num_layers`` layers of a
+        model."""
+        bits = self.bits_per_element
+        if self.high_layers:
+            if num_layers is None:
+                raise ValueError(
+                    f"{self.name}: the average needs the number of layers."
+                )
+            h = len(self.high_layers) / num_layers
+            bits = [
+                (1 - h) * b + h * hb for b, hb in zip(bits, self.high_bits_per_element)
+            ]
+        extra = (
+            0
+            if context is None
+            else SCALE_BITS * min(self.kept_tokens, context) / context
+        )
+        return tuple(b + extra for b in bits)
 
 
 @dataclass(frozen=True)
@@ -185,6 +206,12 @@ def affine_bits(bits: int, group_size: int) -> float:
 CENTER_SUFFIX = r"(?P<center>\+center(?P<center_values>-kv)?)?"
 GROUP_SUFFIX = r"(/g(?P<groups>\d+(,\d+)?))?"
 EXACT_SUFFIX = r"(\+exact(?P<exact>\d+))?"
+LAYERS_SUFFIX = r"(\+(?P<layer_part>kv|k)(?P<layer_bits>\d+)@(?P<layers>\d+(\.\d+)*))?"
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``"11.19"`` -> (11, 19)."""
+    return tuple(sorted({int(x) for x in text.split(".")}))
 
 
 def center_option(center, center_values) -> str:
@@ -198,13 +225,17 @@ def center_option(center, center_values) -> str:
     r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?(?P<rotate>\+rotate)?"
     + CENTER_SUFFIX
     + EXACT_SUFFIX
+    + LAYERS_SUFFIX
     + GROUP_SUFFIX,
-    syntax="B or K,V [+rotate] [+center|+center-kv] [+exactN] [/gG or /gGK,GV]",
+    syntax="B or K,V [+rotate] [+center|+center-kv] [+exactN] [+kB@L.L|+kvB@L.L] "
+    "[/gG or /gGK,GV]",
     help="mlx affine QuantizedKVCache from the first token, K and V bits; "
     "+rotate stores keys and values rotated before quantizing them; +center "
     "stores keys minus their per-head mean of the first write "
     "(CenteredQuantizedKVCache), +center-kv values too; +exactN keeps each "
-    "sequence's first N tokens unquantized too (keep_exact=N); /g: group size "
+    "sequence's first N tokens unquantized too (keep_exact=N); +k8@11.19 "
+    "gives the keys of layers 11 and 19 8 bits (+kv8@: keys and values; "
+    "python -m omlx_cache.layers picks layers); /g: group size "
     "(else --kv-group-size)",
 )
 def affine(
@@ -216,6 +247,9 @@ def affine(
     center=None,
     center_values=None,
     exact=None,
+    layer_part=None,
+    layer_bits=None,
+    layers=None,
     groups=None,
 ):
     bits = (int(key_bits), int(value_bits or key_bits))
@@ -225,8 +259,14 @@ def affine(
     group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
     rotate = rotate is not None
     center = center_option(center, center_values)
+    high_layers, high_bits = (), bits
+    if layers is not None:
+        high_layers = parse_layers(layers)
+        more = int(layer_bits)
+        high_bits = (more, more if layer_part == "kv" else bits[1])
+        _, high_bits = check_kv_quantization(group_sizes, high_bits)
 
-    def make_cache(model):
+    def make_layers(model, bits):
         # as generation makes them: sliding-window layers get quantized
         # rotating caches
         caches = make_prompt_cache(
@@ -240,12 +280,28 @@ def affine(
             caches = [centered(c, center) for c in caches]
         return caches
 
+    def make_cache(model):
+        caches = make_layers(model, bits)
+        if high_layers:
+            if high_layers[-1] >= len(caches):
+                raise ValueError(
+                    f"{name}: layer {high_layers[-1]} of a model with "
+                    f"{len(caches)} layers."
+                )
+            high = make_layers(model, high_bits)
+            caches = [high[i] if i in high_layers else c for i, c in enumerate(caches)]
+        return caches
+
     return Scheme(
         name,
         make_cache,
         bits_per_element=tuple(map(affine_bits, bits, group_sizes)),
         group_size=group_sizes,
         kept_tokens=keep_exact,
+        high_layers=high_layers,
+        high_bits_per_element=tuple(map(affine_bits, high_bits, group_sizes))
+        if high_layers
+        else None,
     )
 
 

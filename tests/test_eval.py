@@ -268,3 +268,32 @@ def test_main_dtype_and_passkey(tmp_path, model, capsys):
     assert "| passkey |" in printed and "300: " in printed
     with pytest.raises(SystemExit):
         kv_eval.parse_args(["--passkey", "4096,x"])
+
+
+def test_layer_bits_and_rule(model, windows):
+    from omlx_cache import layers
+
+    s = schemes.get_scheme("4+rotate+k8@1")
+    assert s.high_layers == (1,) and s.high_bits_per_element == (8.5, 4.5)
+    assert s.average_bits(num_layers=2) == (6.5, 4.5)
+    caches = s.make_cache(model)
+    assert [c.key_bits for c in caches] == [4, 8]
+    assert [c.value_bits for c in caches] == [4, 4]
+    both = schemes.get_scheme("4+kv8@0.1/g32").make_cache(model)
+    assert [c.bits for c in both] == [8, 8] and both[0].group_size == 32
+    with pytest.raises(ValueError, match="layer 5"):
+        schemes.get_scheme("4+k8@5").make_cache(model)
+
+    errors = layers.layer_errors(model, windows[:1], schemes.get_scheme("4"), chunk=32)
+    assert len(errors) == 2 and all(e > 0 for e in errors)
+    top = layers.top_layers(errors, 1)
+    assert errors[top[0]] == max(errors)
+    assert layers.with_layers("4+rotate/g32", [3, 11], 8) == "4+rotate+k8@3.11/g32"
+    assert layers.with_layers("4", [], 8) == "4"
+    r = by_name(
+        kv_eval.evaluate_tokens(
+            model, windows[:1], [schemes.get_scheme(n) for n in ("fp16", "4+k8@1")]
+        )
+    )
+    assert r["4+k8@1"]["bits_per_element"] == {"k": 6.5, "v": 4.5}
+    assert r["4+k8@1"]["high_layers"] == [1]
