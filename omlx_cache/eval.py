@@ -45,7 +45,7 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-f32"
 DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 DEFAULT_SCHEMES = ("fp16", "8", "8,4", "4")
 REFERENCE = "fp16"
-# the context at which kept tokens' bits are averaged in (Scheme.average_bits)
+# the context at which bits per element are averaged (schemes.average_bits)
 AVERAGE_CONTEXT = 4096
 Z95 = 1.959963984540054
 
@@ -175,7 +175,6 @@ class Footprint:
     value_elements: int
     # bytes allocated, including rows allocated ahead of the offset
     allocated_bytes: int
-    layers: int = 0
 
 
 def cache_footprint(cache: list) -> Footprint:
@@ -193,7 +192,6 @@ def cache_footprint(cache: list) -> Footprint:
         key_elements=key_elements,
         value_elements=value_elements,
         allocated_bytes=sum(c.nbytes for c in cache),
-        layers=len(cache),
     )
 
 
@@ -209,6 +207,8 @@ class SchemeRun:
     top1: list[np.ndarray] = field(default_factory=list)
     seconds: float = 0.0
     footprint: Footprint | None = None
+    # (key, value) bits per element, everything counted, at each context
+    average_bits: dict = field(default_factory=dict)
 
     def add(self, stats, seconds: float, footprint: Footprint):
         for values, x in zip((self.nll, self.kld, self.top1), stats):
@@ -282,6 +282,10 @@ def evaluate_tokens(
                 reference = logprobs
             stats = token_stats(logprobs, tokens[1:], reference)
             run.add(stats, seconds, cache_footprint(cache))
+            for context in (tokens.size, AVERAGE_CONTEXT):
+                bits = kv_schemes.average_bits(cache, context)
+                if bits is not None:
+                    run.average_bits[context] = dict(zip("kv", bits))
             del cache, logprobs
     return [summarize(run, runs[0]) for run in runs]
 
@@ -458,14 +462,14 @@ def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
         "kld_ci": kld_ci,
         "top1": 100 * agree / n,
         "top1_ci": [100 * x for x in wilson_ci(agree, n)],
-        "bits_per_element": dict(
-            zip("kv", run.scheme.average_bits(num_layers=footprint.layers))
-        ),
+        "bits_per_element": dict(zip("kv", run.scheme.bits_per_element)),
         "kept_tokens": run.scheme.kept_tokens,
         "high_layers": list(run.scheme.high_layers),
-        f"bits_per_element_at_{AVERAGE_CONTEXT}": dict(
-            zip("kv", run.scheme.average_bits(AVERAGE_CONTEXT, footprint.layers))
-        ),
+        # everything stored, at the window's length and at AVERAGE_CONTEXT
+        **{
+            f"bits_per_element_at_{context}": bits
+            for context, bits in run.average_bits.items()
+        },
         "stored_bits_per_element": {
             "k": 8 * footprint.key_bytes / plain.key_elements,
             "v": 8 * footprint.value_bytes / plain.value_elements,
@@ -490,8 +494,8 @@ def format_ci(ci, digits: int) -> str:
 def format_bits(r: dict) -> str:
     bits = r["bits_per_element"]
     text = f"{bits['k']:g} / {bits['v']:g}"
-    if r.get("kept_tokens") or r.get("high_layers"):
-        average = r[f"bits_per_element_at_{AVERAGE_CONTEXT}"]
+    average = r.get(f"bits_per_element_at_{AVERAGE_CONTEXT}", bits)
+    if average != bits:
         text += f" ({average['k']:.4g} / {average['v']:.4g} at {AVERAGE_CONTEXT})"
     return text
 
@@ -523,9 +527,10 @@ TABLE_HEADER = (
 
 TABLE_NOTES = (
     "bits/elem: the codes plus a 16-bit scale and bias per group (b + 32/g), as a "
-    "float16/bfloat16 model stores them; with kept tokens (+exactN), in brackets "
-    f"the average over {AVERAGE_CONTEXT} tokens, each kept token adding 16 bits per "
-    "element to its quantized copy. Stored KV bytes/token: K + V over all layers "
+    "float16/bfloat16 model stores them; in brackets, where it differs, the average "
+    f"over all a sequence of {AVERAGE_CONTEXT} tokens stores (bounded layers hold at "
+    "most their window, each kept token (+exactN) adds 16 bits per element to its "
+    "quantized copy, +kB@ layers have more bits). Stored KV bytes/token: K + V over all layers "
     "for one token as this run holds them, in the model's dtype (a float32 model keeps "
     "float32 scales, biases and reference K/V); rows allocated ahead are not counted. "
     "s: seconds of forward passes for the scheme, all windows."

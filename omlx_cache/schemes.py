@@ -40,42 +40,17 @@ SCALE_BITS = 16
 class Scheme:
     name: str
     make_cache: Callable[[nn.Module], list]
-    # (key, value) bits per element as stored, scales and biases included
+    # (key, value) bits per element as stored, scales and biases included (of
+    # most layers, kept tokens left out: ``average_bits`` counts everything)
     bits_per_element: tuple[float, float]
     # (key, value) group sizes of a quantized scheme
     group_size: tuple[int, int] | None = None
     # the plain cache every other scheme is compared against
     is_reference: bool = False
-    # tokens per sequence also kept unquantized (``keep_exact``), 16 bits an
-    # element each on top of ``bits_per_element``
+    # tokens per sequence also kept unquantized (``keep_exact``)
     kept_tokens: int = 0
-    # layers stored with more bits, and their (key, value) bits per element
+    # layers stored with more bits
     high_layers: tuple[int, ...] = ()
-    high_bits_per_element: tuple[float, float] | None = None
-
-    def average_bits(
-        self, context: int | None = None, num_layers: int | None = None
-    ) -> tuple[float, float]:
-        """(key, value) bits per element averaged over a sequence of
-        ``context`` tokens (the kept tokens included; None: left out) and,
-        for a scheme with ``high_layers``, over the ``num_layers`` layers of a
-        model."""
-        bits = self.bits_per_element
-        if self.high_layers:
-            if num_layers is None:
-                raise ValueError(
-                    f"{self.name}: the average needs the number of layers."
-                )
-            h = len(self.high_layers) / num_layers
-            bits = [
-                (1 - h) * b + h * hb for b, hb in zip(bits, self.high_bits_per_element)
-            ]
-        extra = (
-            0
-            if context is None
-            else SCALE_BITS * min(self.kept_tokens, context) / context
-        )
-        return tuple(b + extra for b in bits)
 
 
 @dataclass(frozen=True)
@@ -203,6 +178,45 @@ def affine_bits(bits: int, group_size: int) -> float:
     return bits + 2 * SCALE_BITS / group_size
 
 
+def layer_bits(cache) -> tuple[float, float] | None:
+    """(key, value) bits per element of one layer's cache as a 16-bit model
+    stores it: affine quantized caches by their settings, plain ones 16;
+    None for other caches."""
+    if hasattr(cache, "key_bits") and hasattr(cache, "key_group_size"):
+        return (
+            affine_bits(cache.key_bits, cache.key_group_size),
+            affine_bits(cache.value_bits, cache.value_group_size),
+        )
+    if type(cache) in (KVCache, RotatingKVCache):
+        return (SCALE_BITS, SCALE_BITS)
+    return None
+
+
+def average_bits(caches, context: int) -> tuple[float, float] | None:
+    """(key, value) bits per element over everything ``caches`` (one per
+    layer) store for a sequence of ``context`` tokens: a bounded layer holds
+    at most its ``max_size`` tokens, and tokens kept unquantized
+    (``keep_exact``) add 16 bits an element each while they are kept (in a
+    bounded layer that has evicted, only the first ``keep``). Layers are
+    assumed to have the same number of heads and head sizes. None when a
+    layer's cache is not an affine or plain one."""
+    totals, elements = [0.0, 0.0], 0
+    for cache in caches:
+        bits = layer_bits(cache)
+        if bits is None:
+            return None
+        window = getattr(cache, "max_size", None)
+        tokens = context if window is None else min(context, window)
+        kept = getattr(cache, "keep_exact", 0)
+        if tokens < context:
+            kept = min(kept, getattr(cache, "keep", 0))
+        kept = min(kept, tokens)
+        for i in range(2):
+            totals[i] += tokens * bits[i] + kept * SCALE_BITS
+        elements += tokens
+    return tuple(t / elements for t in totals)
+
+
 CENTER_SUFFIX = r"(?P<center>\+center(?P<center_values>-kv)?)?"
 GROUP_SUFFIX = r"(/g(?P<groups>\d+(,\d+)?))?"
 EXACT_SUFFIX = r"(\+exact(?P<exact>\d+))?"
@@ -259,7 +273,7 @@ def affine(
     group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
     rotate = rotate is not None
     center = center_option(center, center_values)
-    high_layers, high_bits = (), bits
+    high_layers = ()
     if layers is not None:
         high_layers = parse_layers(layers)
         more = int(layer_bits)
@@ -299,9 +313,6 @@ def affine(
         group_size=group_sizes,
         kept_tokens=keep_exact,
         high_layers=high_layers,
-        high_bits_per_element=tuple(map(affine_bits, high_bits, group_sizes))
-        if high_layers
-        else None,
     )
 
 

@@ -195,11 +195,16 @@ def test_main_writes_json(tmp_path, model, capsys):
 def test_kept_tokens_scheme(model, windows):
     s = schemes.get_scheme("4+rotate+center+exact4")
     assert s.kept_tokens == 4 and s.bits_per_element == (4.5, 4.5)
-    assert s.average_bits(4096) == (4.5 + 16 * 4 / 4096,) * 2
-    cache = s.make_cache(model)[0]
-    assert (cache.keep_exact, cache.rotate, cache.center) == (4, True, "k")
-    window = schemes.windowed(s, 32).make_cache(model)[0]
-    assert (window.keep_exact, window.max_size, window.center) == (4, 32, "k")
+    caches = s.make_cache(model)
+    assert schemes.average_bits(caches, 4096) == (4.5 + 16 * 4 / 4096,) * 2
+    assert (caches[0].keep_exact, caches[0].rotate, caches[0].center) == (4, True, "k")
+    windows_ = schemes.windowed(s, 32).make_cache(model)
+    assert (windows_[0].keep_exact, windows_[0].max_size) == (4, 32)
+    # a window holds 32 tokens, of which the first 4 (keep=4) stay kept
+    assert schemes.average_bits(windows_, 4096) == (4.5 + 16 * 4 / 32,) * 2
+    no_keep = schemes.windowed(s, 32, keep=0).make_cache(model)
+    assert schemes.average_bits(no_keep, 4096) == (4.5, 4.5)
+    assert schemes.average_bits(no_keep, 32) == (4.5 + 16 * 4 / 32,) * 2
 
     kv = [schemes.get_scheme(name) for name in ("fp16", "4", "4+exact4")]
     r = by_name(kv_eval.evaluate_tokens(model, windows[:1], kv, chunk=32))
@@ -207,6 +212,7 @@ def test_kept_tokens_scheme(model, windows):
     assert r["4+exact4"]["kld"] < r["4"]["kld"]
     assert r["4+exact4"]["kept_tokens"] == 4
     assert r["4+exact4"]["bits_per_element_at_4096"]["k"] == 4.5 + 16 * 4 / 4096
+    assert r["4+exact4"]["bits_per_element_at_96"]["v"] == 4.5 + 16 * 4 / 96
     # the stored bytes count the kept tokens, float32 here: 4 tokens of 2
     # layers x 2 kv heads x 64 dims, keys and values, spread over 95 tokens
     kept = 4 * 2 * 2 * 64 * 2 * 4 / 95
@@ -274,9 +280,9 @@ def test_layer_bits_and_rule(model, windows):
     from omlx_cache import layers
 
     s = schemes.get_scheme("4+rotate+k8@1")
-    assert s.high_layers == (1,) and s.high_bits_per_element == (8.5, 4.5)
-    assert s.average_bits(num_layers=2) == (6.5, 4.5)
+    assert s.high_layers == (1,)
     caches = s.make_cache(model)
+    assert schemes.average_bits(caches, 4096) == (6.5, 4.5)
     assert [c.key_bits for c in caches] == [4, 8]
     assert [c.value_bits for c in caches] == [4, 4]
     both = schemes.get_scheme("4+kv8@0.1/g32").make_cache(model)
@@ -295,5 +301,5 @@ def test_layer_bits_and_rule(model, windows):
             model, windows[:1], [schemes.get_scheme(n) for n in ("fp16", "4+k8@1")]
         )
     )
-    assert r["4+k8@1"]["bits_per_element"] == {"k": 6.5, "v": 4.5}
+    assert r["4+k8@1"]["bits_per_element_at_4096"] == {"k": 6.5, "v": 4.5}
     assert r["4+k8@1"]["high_layers"] == [1]
