@@ -251,9 +251,15 @@ class CenteredQuantizedKVCache(_Centered, QuantizedKVCache):
         rotate=False,
         center="k",
         keep_exact=0,
+        residual=0,
     ):
         super().__init__(
-            group_size, bits, reserve=reserve, rotate=rotate, keep_exact=keep_exact
+            group_size,
+            bits,
+            reserve=reserve,
+            rotate=rotate,
+            keep_exact=keep_exact,
+            residual=residual,
         )
         self._require_center(center)
 
@@ -351,7 +357,8 @@ def centered(cache, center="k"):
     if isinstance(cache, (QuantizedKVCache, QuantizedRotatingKVCache)):
         settings = cache._settings()
     if type(cache) in (KVCache, QuantizedKVCache, CenteredQuantizedKVCache):
-        return CenteredQuantizedKVCache(**settings, center=center)
+        residual = getattr(cache, "residual", 0)
+        return CenteredQuantizedKVCache(**settings, center=center, residual=residual)
     if type(cache) in (
         RotatingKVCache,
         QuantizedRotatingKVCache,

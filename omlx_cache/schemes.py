@@ -192,12 +192,22 @@ def layer_bits(cache) -> tuple[float, float] | None:
     return None
 
 
+def residual_tokens(residual: int, tokens: int) -> int:
+    """Tokens a cache with this ``residual`` holds unquantized after
+    ``tokens`` (``QuantizedKVCache``: ``residual`` to ``2 * residual - 1``,
+    all of them before ``2 * residual``)."""
+    if not residual or tokens < 2 * residual:
+        return tokens if residual else 0
+    return residual + (tokens - residual) % residual
+
+
 def average_bits(caches, context: int) -> tuple[float, float] | None:
     """(key, value) bits per element over everything ``caches`` (one per
     layer) store for a sequence of ``context`` tokens: a bounded layer holds
-    at most its ``max_size`` tokens, and tokens kept unquantized
-    (``keep_exact``) add 16 bits an element each while they are kept (in a
-    bounded layer that has evicted, only the first ``keep``). Layers are
+    at most its ``max_size`` tokens, tokens kept unquantized (``keep_exact``)
+    add 16 bits an element each while they are kept (in a bounded layer that
+    has evicted, only the first ``keep``), and the recent tokens a
+    ``residual`` holds unquantized cost 16 bits instead of the format's. Layers are
     assumed to have the same number of heads and head sizes. None when a
     layer's cache is not an affine or plain one."""
     totals, elements = [0.0, 0.0], 0
@@ -207,19 +217,20 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
             return None
         window = getattr(cache, "max_size", None)
         tokens = context if window is None else min(context, window)
+        held = residual_tokens(getattr(cache, "residual", 0), tokens)
         kept = getattr(cache, "keep_exact", 0)
         if tokens < context:
             kept = min(kept, getattr(cache, "keep", 0))
-        kept = min(kept, tokens)
+        kept = min(kept, tokens - held)
         for i in range(2):
-            totals[i] += tokens * bits[i] + kept * SCALE_BITS
+            totals[i] += (tokens - held) * bits[i] + (held + kept) * SCALE_BITS
         elements += tokens
     return tuple(t / elements for t in totals)
 
 
 CENTER_SUFFIX = r"(?P<center>\+center(?P<center_values>-kv)?)?"
 GROUP_SUFFIX = r"(/g(?P<groups>\d+(,\d+)?))?"
-EXACT_SUFFIX = r"(\+exact(?P<exact>\d+))?"
+EXACT_SUFFIX = r"(\+exact(?P<exact>\d+))?(\+res(?P<residual>\d+))?"
 LAYERS_SUFFIX = r"(\+(?P<layer_part>kv|k)(?P<layer_bits>\d+)@(?P<layers>\d+(\.\d+)*))?"
 
 
@@ -241,13 +252,14 @@ def center_option(center, center_values) -> str:
     + EXACT_SUFFIX
     + LAYERS_SUFFIX
     + GROUP_SUFFIX,
-    syntax="B or K,V [+rotate] [+center|+center-kv] [+exactN] [+kB@L.L|+kvB@L.L] "
-    "[/gG or /gGK,GV]",
+    syntax="B or K,V [+rotate] [+center|+center-kv] [+exactN] [+resR] "
+    "[+kB@L.L|+kvB@L.L] [/gG or /gGK,GV]",
     help="mlx affine QuantizedKVCache from the first token, K and V bits; "
     "+rotate stores keys and values rotated before quantizing them; +center "
     "stores keys minus their per-head mean of the first write "
     "(CenteredQuantizedKVCache), +center-kv values too; +exactN keeps each "
-    "sequence's first N tokens unquantized too (keep_exact=N); +k8@11.19 "
+    "sequence's first N tokens unquantized too (keep_exact=N); +resR keeps the "
+    "last R to 2R-1 tokens unquantized in unbounded layers (residual=R); +k8@11.19 "
     "gives the keys of layers 11 and 19 8 bits (+kv8@: keys and values; "
     "python -m omlx_cache.layers picks layers); /g: group size "
     "(else --kv-group-size)",
@@ -261,6 +273,7 @@ def affine(
     center=None,
     center_values=None,
     exact=None,
+    residual=None,
     layer_part=None,
     layer_bits=None,
     layers=None,
@@ -268,6 +281,7 @@ def affine(
 ):
     bits = (int(key_bits), int(value_bits or key_bits))
     keep_exact = int(exact or 0)
+    residual = int(residual or 0)
     if groups is not None:
         group_size = parse_group_size(groups)
     group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
@@ -289,6 +303,7 @@ def affine(
             kv_group_size=group_sizes,
             kv_rotate=rotate,
             kv_keep_exact=keep_exact,
+            kv_residual=residual,
         )
         if center:
             caches = [centered(c, center) for c in caches]

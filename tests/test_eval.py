@@ -303,3 +303,18 @@ def test_layer_bits_and_rule(model, windows):
     )
     assert r["4+k8@1"]["bits_per_element_at_4096"] == {"k": 6.5, "v": 4.5}
     assert r["4+k8@1"]["high_layers"] == [1]
+
+
+def test_residual_scheme_bits(model):
+    s = schemes.get_scheme("4+rotate+center+exact4+res16")
+    caches = s.make_cache(model)
+    assert (caches[0].residual, caches[0].keep_exact, caches[0].center) == (16, 4, "k")
+    assert schemes.residual_tokens(16, 20) == 20
+    assert schemes.residual_tokens(16, 32) == 16
+    assert schemes.residual_tokens(16, 4096 + 5) == 21
+    assert schemes.residual_tokens(0, 4096) == 0
+    # 4,080 tokens at 4.5 bits, the first 4 of them also at 16, 16 held at 16
+    expected = (4080 * 4.5 + (4 + 16) * 16) / 4096
+    assert schemes.average_bits(caches, 4096) == pytest.approx((expected, expected))
+    # while every token is held, all are 16-bit
+    assert schemes.average_bits(caches, 20) == (16.0, 16.0)
