@@ -244,8 +244,24 @@ class CenteredQuantizedKVCache(_Centered, QuantizedKVCache):
     """``QuantizedKVCache`` storing keys (``center="k"``) or keys and values
     (``"kv"``) minus their per-head mean of the first write."""
 
-    def __init__(self, group_size=64, bits=8, reserve=None, rotate=False, center="k"):
-        super().__init__(group_size, bits, reserve=reserve, rotate=rotate)
+    def __init__(
+        self,
+        group_size=64,
+        bits=8,
+        reserve=None,
+        rotate=False,
+        center="k",
+        keep_exact=0,
+        residual=0,
+    ):
+        super().__init__(
+            group_size,
+            bits,
+            reserve=reserve,
+            rotate=rotate,
+            keep_exact=keep_exact,
+            residual=residual,
+        )
         self._require_center(center)
 
     @classmethod
@@ -258,9 +274,16 @@ class CenteredQuantizedRotatingKVCache(_Centered, QuantizedRotatingKVCache):
     """``QuantizedRotatingKVCache`` with ``center`` as ``CenteredQuantizedKVCache``."""
 
     def __init__(
-        self, max_size, keep=0, group_size=64, bits=8, rotate=False, center="k"
+        self,
+        max_size,
+        keep=0,
+        group_size=64,
+        bits=8,
+        rotate=False,
+        center="k",
+        keep_exact=0,
     ):
-        super().__init__(max_size, keep, group_size, bits, rotate)
+        super().__init__(max_size, keep, group_size, bits, rotate, keep_exact)
         self._require_center(center)
 
     @classmethod
@@ -277,8 +300,16 @@ class CenteredBatchQuantizedKVCache(_Centered, BatchQuantizedKVCache):
     each sequence has its own means (zero, i.e. not centered, for a sequence
     whose first tokens came after the batch's first write)."""
 
-    def __init__(self, left_padding, group_size=64, bits=8, rotate=False, center="k"):
-        super().__init__(left_padding, group_size, bits, rotate)
+    def __init__(
+        self,
+        left_padding,
+        group_size=64,
+        bits=8,
+        rotate=False,
+        center="k",
+        keep_exact=0,
+    ):
+        super().__init__(left_padding, group_size, bits, rotate, keep_exact)
         self._require_center(center)
 
     def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
@@ -301,11 +332,10 @@ class CenteredBatchQuantizedKVCache(_Centered, BatchQuantizedKVCache):
 
     def extract(self, idx):
         single = super().extract(idx)
-        cache = CenteredQuantizedKVCache(
-            self.group_size, self.bits, rotate=self.rotate, center=self.center
-        )
+        cache = CenteredQuantizedKVCache(**self._settings(), center=self.center)
         cache.key_pages, cache.value_pages = single.key_pages, single.value_pages
         cache.offset = single.offset
+        cache.exact_keys, cache.exact_values = single.exact_keys, single.exact_values
         return self._extract_means(idx, cache)
 
     @classmethod
@@ -326,13 +356,10 @@ def centered(cache, center="k"):
         raise ValueError("Only an empty cache can be made centered.")
     settings = {"group_size": 64, "bits": 4, "rotate": False}
     if isinstance(cache, (QuantizedKVCache, QuantizedRotatingKVCache)):
-        settings = {
-            "group_size": cache.group_size,
-            "bits": cache.bits,
-            "rotate": cache.rotate,
-        }
+        settings = cache._settings()
     if type(cache) in (KVCache, QuantizedKVCache, CenteredQuantizedKVCache):
-        return CenteredQuantizedKVCache(**settings, center=center)
+        residual = getattr(cache, "residual", 0)
+        return CenteredQuantizedKVCache(**settings, center=center, residual=residual)
     if type(cache) in (
         RotatingKVCache,
         QuantizedRotatingKVCache,

@@ -9,6 +9,13 @@ through the model in chunks, so later tokens attend the keys and values as the
 cache stores them, exactly as in generation. Every next token after the first
 is scored. The reference scheme (``fp16``, a plain cache) always runs first;
 the others are compared with it token by token.
+
+``--passkey 4096,8192`` adds a retrieval test per scheme: a five-digit key
+hidden at ``--passkey-depths`` depths of a filler text of that many tokens,
+asked for at the end (``passkey_prompt``); a trial succeeds when greedy
+decoding through the scheme's cache gives every token of the key.
+``--dtype`` casts the model (and so the reference cache) to the dtype users
+run, e.g. bfloat16.
 """
 
 import argparse
@@ -23,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from random import Random
 
 import mlx.core as mx
 import numpy as np
@@ -37,6 +45,8 @@ DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-f32"
 DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 DEFAULT_SCHEMES = ("fp16", "8", "8,4", "4")
 REFERENCE = "fp16"
+# the context at which bits per element are averaged (schemes.average_bits)
+AVERAGE_CONTEXT = 4096
 Z95 = 1.959963984540054
 
 
@@ -132,11 +142,17 @@ def token_stats(logprobs: mx.array, targets: mx.array, reference: mx.array):
 
 def stored_kv(layer_cache):
     """The keys and values one layer's cache holds for its tokens, without the
-    rows it allocated ahead."""
+    rows it allocated ahead; unquantized copies of its first tokens
+    (``keep_exact``) included."""
     if hasattr(layer_cache, "keys_and_values"):
-        return layer_cache.keys_and_values()
-    # KVCache's state is sliced to its offset
-    return layer_cache.state[:2]
+        keys, values = layer_cache.keys_and_values()
+    else:
+        # KVCache's state is sliced to its offset
+        keys, values = layer_cache.state[:2]
+    exact_keys = getattr(layer_cache, "exact_keys", None)
+    if exact_keys is not None:
+        keys, values = (keys, exact_keys), (values, layer_cache.exact_values)
+    return keys, values
 
 
 def tree_nbytes(tree) -> int:
@@ -191,6 +207,8 @@ class SchemeRun:
     top1: list[np.ndarray] = field(default_factory=list)
     seconds: float = 0.0
     footprint: Footprint | None = None
+    # (key, value) bits per element, everything counted, at each context
+    average_bits: dict = field(default_factory=dict)
 
     def add(self, stats, seconds: float, footprint: Footprint):
         for values, x in zip((self.nll, self.kld, self.top1), stats):
@@ -264,8 +282,134 @@ def evaluate_tokens(
                 reference = logprobs
             stats = token_stats(logprobs, tokens[1:], reference)
             run.add(stats, seconds, cache_footprint(cache))
+            for context in (tokens.size, AVERAGE_CONTEXT):
+                bits = kv_schemes.average_bits(cache, context)
+                if bits is not None:
+                    run.average_bits[context] = dict(zip("kv", bits))
             del cache, logprobs
     return [summarize(run, runs[0]) for run in runs]
+
+
+# ---------------------------------------------------------------------------
+# Passkey retrieval (Mohtashami and Jaggi, 2023)
+
+PASSKEY_INTRO = (
+    "There is an important info hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the important "
+    "information there.\n"
+)
+PASSKEY_FILLER = (
+    "The grass is green. The sky is blue. The sun is yellow. "
+    "Here we go. There and back again.\n"
+)
+PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key.\n"
+PASSKEY_QUESTION = "What is the pass key? The pass key is"
+
+
+@dataclass
+class PasskeyPrompt:
+    tokens: list[int]
+    # the key's tokens as they follow the question
+    answer: list[int]
+    key: str
+    # where the needle is: 0 before all the filler, 1 after it
+    depth: float
+
+
+def passkey_depths(n: int) -> list[float]:
+    """``n`` depths from 0 to 1, evenly spaced."""
+    if n < 1:
+        raise ValueError(f"Passkey depths must be 1 or more, got {n}.")
+    return [0.0] if n == 1 else [i / (n - 1) for i in range(n)]
+
+
+def passkey_key(context: int, trial: int, seed: int = 0) -> str:
+    """A five-digit key, the same for the same context, trial and seed."""
+    return str(Random(f"{seed}-{context}-{trial}").randint(10000, 99999))
+
+
+def passkey_prompt(
+    tokenizer, context: int, depth: float, key: str, bos: int | None = None
+) -> PasskeyPrompt:
+    """The introduction, as many filler lines as fit in ``context`` tokens
+    (the answer included) with the needle after ``depth`` of them, and the
+    question; BOS first when given."""
+    question = encode(tokenizer, PASSKEY_QUESTION)
+    answer = encode(tokenizer, f"{PASSKEY_QUESTION} {key}")
+    if answer[: len(question)] != question:
+        raise ValueError("The tokenizer joins the passkey to the question.")
+    answer = answer[len(question) :]
+    intro = ([] if bos is None else [bos]) + encode(tokenizer, PASSKEY_INTRO)
+    filler = encode(tokenizer, PASSKEY_FILLER)
+    needle = encode(tokenizer, PASSKEY_NEEDLE.format(key=key))
+    fixed = len(intro) + len(needle) + len(question) + len(answer)
+    lines = (context - fixed) // len(filler)
+    if lines < 1:
+        raise ValueError(f"A passkey prompt needs more than {fixed} tokens.")
+    before = round(depth * lines)
+    tokens = intro + filler * before + needle + filler * (lines - before) + question
+    return PasskeyPrompt(tokens, answer, key, depth)
+
+
+def passkey_trial(model, prompt: PasskeyPrompt, cache: list, chunk: int) -> dict:
+    """Prefill ``prompt`` through ``cache`` in chunks and decode greedily, one
+    token at a time, as many tokens as the key has, each step fed the key's
+    token (so the steps after a wrong one still say how far off it is)."""
+    tokens = mx.array(prompt.tokens)
+    for start in range(0, tokens.size, chunk):
+        logits = model(tokens[None, start : start + chunk], cache=cache)[0, -1]
+        mx.eval(logits)
+    predicted, logprob = [], 0.0
+    for i, target in enumerate(prompt.answer):
+        if i:
+            logits = model(mx.array([[prompt.answer[i - 1]]]), cache=cache)[0, -1]
+        logits = logits.astype(mx.float32)
+        logprobs = logits - mx.logsumexp(logits)
+        predicted.append(int(mx.argmax(logprobs).item()))
+        logprob += logprobs[target].item()
+    return {
+        "depth": prompt.depth,
+        "key": prompt.key,
+        "tokens": len(prompt.tokens) + len(prompt.answer),
+        "correct": predicted == prompt.answer,
+        "predicted": predicted,
+        "answer_logprob": logprob,
+    }
+
+
+def evaluate_passkey(
+    model,
+    tokenizer,
+    schemes: Sequence[kv_schemes.Scheme],
+    contexts: Sequence[int],
+    depths: Sequence[float],
+    chunk: int = 512,
+    seed: int = 0,
+    bos: int | None = None,
+    progress: Progress | None = None,
+) -> list[dict]:
+    """Per scheme, ``{context: {"correct", "trials", "runs": [trial, ...]}}``
+    for a passkey at each of ``depths`` in prompts of ``contexts`` tokens."""
+    results = [{} for _ in schemes]
+    for context in contexts:
+        for i, depth in enumerate(depths):
+            key = passkey_key(context, i, seed)
+            prompt = passkey_prompt(tokenizer, context, depth, key, bos)
+            for scheme, result in zip(schemes, results):
+                if progress is not None:
+                    progress.label = (
+                        f"passkey {context}, depth {depth:.2f}, kv {scheme.name}"
+                    )
+                trial = passkey_trial(model, prompt, scheme.make_cache(model), chunk)
+                runs = result.setdefault(str(context), {"runs": []})["runs"]
+                runs.append(trial)
+                if progress is not None:
+                    progress.step()
+    for result in results:
+        for by_context in result.values():
+            by_context["trials"] = len(by_context["runs"])
+            by_context["correct"] = sum(t["correct"] for t in by_context["runs"])
+    return results
 
 
 # ---------------------------------------------------------------------------
@@ -319,6 +463,13 @@ def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
         "top1": 100 * agree / n,
         "top1_ci": [100 * x for x in wilson_ci(agree, n)],
         "bits_per_element": dict(zip("kv", run.scheme.bits_per_element)),
+        "kept_tokens": run.scheme.kept_tokens,
+        "high_layers": list(run.scheme.high_layers),
+        # everything stored, at the window's length and at AVERAGE_CONTEXT
+        **{
+            f"bits_per_element_at_{context}": bits
+            for context, bits in run.average_bits.items()
+        },
         "stored_bits_per_element": {
             "k": 8 * footprint.key_bytes / plain.key_elements,
             "v": 8 * footprint.value_bytes / plain.value_elements,
@@ -340,8 +491,16 @@ def format_ci(ci, digits: int) -> str:
     return f"{ci[0]:.{digits}f}–{ci[1]:.{digits}f}"
 
 
-def format_row(r: dict) -> str:
+def format_bits(r: dict) -> str:
     bits = r["bits_per_element"]
+    text = f"{bits['k']:g} / {bits['v']:g}"
+    average = r.get(f"bits_per_element_at_{AVERAGE_CONTEXT}", bits)
+    if average != bits:
+        text += f" ({average['k']:.4g} / {average['v']:.4g} at {AVERAGE_CONTEXT})"
+    return text
+
+
+def format_row(r: dict) -> str:
     delta = (
         "ref"
         if r["reference"]
@@ -349,7 +508,7 @@ def format_row(r: dict) -> str:
     )
     cells = [
         r["kv"],
-        f"{bits['k']:g} / {bits['v']:g}",
+        format_bits(r),
         f"{r['ppl']:.3f} ({format_ci(r['ppl_ci'], 2)})",
         delta,
         f"{r['kld']:.4f} ± {(r['kld_ci'][1] - r['kld_ci'][0]) / 2:.4f}",
@@ -368,7 +527,10 @@ TABLE_HEADER = (
 
 TABLE_NOTES = (
     "bits/elem: the codes plus a 16-bit scale and bias per group (b + 32/g), as a "
-    "float16/bfloat16 model stores them. Stored KV bytes/token: K + V over all layers "
+    "float16/bfloat16 model stores them; in brackets, where it differs, the average "
+    f"over all a sequence of {AVERAGE_CONTEXT} tokens stores (bounded layers hold at "
+    "most their window, each kept token (+exactN) adds 16 bits per element to its "
+    "quantized copy, +kB@ layers have more bits). Stored KV bytes/token: K + V over all layers "
     "for one token as this run holds them, in the model's dtype (a float32 model keeps "
     "float32 scales, biases and reference K/V); rows allocated ahead are not counted. "
     "s: seconds of forward passes for the scheme, all windows."
@@ -383,17 +545,29 @@ def format_table(results: Sequence[dict]) -> str:
 def element_bits(r: dict) -> dict:
     """(k, v) bits per element as a float16 model stores them: codebook
     schemes as stored (their norms are float16 at this head dim), affine ones
-    with 16-bit scales and biases (a float32 run stores float32 ones)."""
+    with 16-bit scales and biases (a float32 run stores float32 ones) and kept
+    tokens averaged over ``AVERAGE_CONTEXT`` tokens."""
     if r["kv"].startswith("codebook"):
         return r["stored_bits_per_element"]
-    return r["bits_per_element"]
+    return r.get(f"bits_per_element_at_{AVERAGE_CONTEXT}", r["bits_per_element"])
+
+
+def format_passkey(r: dict) -> str:
+    """``4096: 8/8, 8192: 7/8`` from a result's passkey trials."""
+    return ", ".join(
+        f"{context}: {x['correct']}/{x['trials']}"
+        for context, x in r.get("passkey", {}).items()
+    )
 
 
 def summary_table(results: Sequence[dict]) -> str:
-    """A short markdown table of a run: bits, ΔPPL, KLD and top-1 per scheme."""
+    """A short markdown table of a run: bits, ΔPPL, KLD, top-1 and passkey
+    retrieval per scheme."""
+    passkey = any("passkey" in r for r in results)
     lines = [
-        "| KV | bits/elem K / V | ΔPPL vs fp16 (95% CI) | KLD (± 95%) | top-1 (95% CI) |",
-        "|---|---|---|---|---|",
+        "| KV | bits/elem K / V | ΔPPL vs fp16 (95% CI) | KLD (± 95%) | top-1 (95% CI) |"
+        + (" passkey |" if passkey else ""),
+        "|---|---|---|---|---|" + ("---|" if passkey else ""),
     ]
     for r in results:
         bits = element_bits(r)
@@ -406,6 +580,7 @@ def summary_table(results: Sequence[dict]) -> str:
         top1 = f"{r['top1']:.1f}% ({format_ci(r['top1_ci'], 1)})"
         lines.append(
             f"| {r['kv']} | {bits['k']:.4g} / {bits['v']:.4g} | {delta} | {kld} | {top1} |"
+            + (f" {format_passkey(r)} |" if passkey else "")
         )
     return "\n".join(lines)
 
@@ -521,12 +696,51 @@ def parse_args(argv=None):
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="cast the model to this dtype first (default: as stored); the "
+        "reference cache then holds keys and values in it too",
+    )
+    parser.add_argument(
+        "--passkey",
+        type=parse_contexts,
+        default=(),
+        metavar="N[,N...]",
+        help="also test passkey retrieval in prompts of these many tokens, e.g. 4096,8192",
+    )
+    parser.add_argument(
+        "--passkey-depths",
+        type=int,
+        default=8,
+        help="needle depths per passkey context, evenly from 0 to 1 (default 8)",
+    )
+    parser.add_argument(
+        "--passkey-chunk",
+        type=int,
+        default=512,
+        help="prefill step of the passkey prompts (default 512)",
+    )
+    parser.add_argument(
         "--max-kv-size",
         type=int,
         help="bounded context for every scheme, the reference too: rotating "
         "caches of this many tokens keeping the first 4 (as mlx_lm's --max-kv-size)",
     )
     return parser.parse_args(argv)
+
+
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    """``"4096,8192"`` -> (4096, 8192)."""
+    try:
+        contexts = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N[,N...], got {text!r}") from None
+    if any(n < 1 for n in contexts):
+        raise argparse.ArgumentTypeError(f"contexts must be positive, got {text!r}")
+    return contexts
 
 
 # Debian's libopenblas0-pthread; the mlx CPU wheel bundles the reference BLAS
@@ -545,6 +759,15 @@ def blas_hint() -> str | None:
         f"(apt-get install libopenblas0-pthread; LD_PRELOAD={OPENBLAS}) "
         "the CPU forward is ~8x faster"
     )
+
+
+def model_dtype(model: nn.Module) -> str:
+    """The dtype of the model's floating-point parameters, e.g. ``"float32"``."""
+    dtypes = {x.dtype for _, x in tree_flatten(model.parameters())}
+    floating = sorted(
+        str(d).split(".")[-1] for d in dtypes if mx.issubdtype(d, mx.floating)
+    )
+    return ",".join(floating)
 
 
 def load_model(path: str):
@@ -569,6 +792,9 @@ def main(argv=None) -> dict:
         schemes = [kv_schemes.windowed(s, args.max_kv_size) for s in schemes]
     text = read_text(args.text)
     model, tokenizer = load_model(args.model)
+    if args.dtype:
+        model.set_dtype(DTYPES[args.dtype])
+    depths = passkey_depths(args.passkey_depths) if args.passkey else []
     # the code as imported now, whatever changes on disk during the run
     run_versions = versions()
     tokens = encode(tokenizer, text)
@@ -579,9 +805,24 @@ def main(argv=None) -> dict:
     if hint := blas_hint():
         print(hint, file=sys.stderr)
     chunks = math.ceil((args.window_tokens - 1) / args.chunk)
-    progress = Progress(args.windows * len(schemes) * chunks)
+    trials = len(args.passkey) * len(depths)
+    progress = Progress((args.windows * chunks + trials) * len(schemes))
     tic = time.perf_counter()
     results = evaluate_tokens(model, windows, schemes, args.chunk, args.seed, progress)
+    if args.passkey:
+        passkey = evaluate_passkey(
+            model,
+            tokenizer,
+            schemes,
+            args.passkey,
+            depths,
+            args.passkey_chunk,
+            args.seed,
+            tokenizer.bos_token_id,
+            progress,
+        )
+        for r, p in zip(results, passkey):
+            r["passkey"] = p
     progress.close()
     wall = time.perf_counter() - tic
 
@@ -596,6 +837,9 @@ def main(argv=None) -> dict:
         "kv_group_size": args.kv_group_size,
         "seed": args.seed,
         "max_kv_size": args.max_kv_size,
+        "dtype": args.dtype or model_dtype(model),
+        "passkey_depths": depths,
+        "passkey_chunk": args.passkey_chunk if args.passkey else None,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),
         "ld_preload": os.environ.get("LD_PRELOAD"),
@@ -604,6 +848,8 @@ def main(argv=None) -> dict:
         "results": results,
     }
     print(format_table(results))
+    if args.passkey:
+        print("\n" + summary_table(results))
     print(f"\n{results[0]['tokens']} scored tokens, {wall:.0f} s.")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """KV cache schemes by name, for evaluation and benchmarks.
 
-A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate`` or
-``4+rotate+center/g32`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
+A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate``,
+``4+rotate+center/g32``, ``4+rotate+exact4`` or ``4+rotate+k8@11`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
 a factory ``(model) -> list of caches`` plus the bits per element the format
 costs.
 
@@ -43,12 +43,17 @@ SCALE_BITS = 16
 class Scheme:
     name: str
     make_cache: Callable[[nn.Module], list]
-    # (key, value) bits per element as stored, scales and biases included
+    # (key, value) bits per element as stored, scales and biases included (of
+    # most layers, kept tokens left out: ``average_bits`` counts everything)
     bits_per_element: tuple[float, float]
     # (key, value) group sizes of a quantized scheme
     group_size: tuple[int, int] | None = None
     # the plain cache every other scheme is compared against
     is_reference: bool = False
+    # tokens per sequence also kept unquantized (``keep_exact``)
+    kept_tokens: int = 0
+    # layers stored with more bits
+    high_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,9 @@ def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
         if type(cache) is KVCache:
             return window
         if type(cache) is QuantizedKVCache:
-            return window.to_quantized(cache.group_size, cache.bits, cache.rotate)
+            return window.to_quantized(
+                cache.group_size, cache.bits, cache.rotate, cache.keep_exact
+            )
         if type(cache) is CenteredQuantizedKVCache:
             return CenteredQuantizedRotatingKVCache(
                 max_kv_size,
@@ -102,6 +109,7 @@ def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
                 cache.bits,
                 cache.rotate,
                 cache.center,
+                cache.keep_exact,
             )
         raise ValueError(
             f"Scheme {scheme.name!r} has no bounded-context form "
@@ -173,8 +181,65 @@ def affine_bits(bits: int, group_size: int) -> float:
     return bits + 2 * SCALE_BITS / group_size
 
 
+def layer_bits(cache) -> tuple[float, float] | None:
+    """(key, value) bits per element of one layer's cache as a 16-bit model
+    stores it: affine quantized caches by their settings, plain ones 16;
+    None for other caches."""
+    if hasattr(cache, "key_bits") and hasattr(cache, "key_group_size"):
+        return (
+            affine_bits(cache.key_bits, cache.key_group_size),
+            affine_bits(cache.value_bits, cache.value_group_size),
+        )
+    if type(cache) in (KVCache, RotatingKVCache):
+        return (SCALE_BITS, SCALE_BITS)
+    return None
+
+
+def residual_tokens(residual: int, tokens: int) -> int:
+    """Tokens a cache with this ``residual`` holds unquantized after
+    ``tokens`` (``QuantizedKVCache``: ``residual`` to ``2 * residual - 1``,
+    all of them before ``2 * residual``)."""
+    if not residual or tokens < 2 * residual:
+        return tokens if residual else 0
+    return residual + (tokens - residual) % residual
+
+
+def average_bits(caches, context: int) -> tuple[float, float] | None:
+    """(key, value) bits per element over everything ``caches`` (one per
+    layer) store for a sequence of ``context`` tokens: a bounded layer holds
+    at most its ``max_size`` tokens, tokens kept unquantized (``keep_exact``)
+    add 16 bits an element each while they are kept (in a bounded layer that
+    has evicted, only the first ``keep``), and the recent tokens a
+    ``residual`` holds unquantized cost 16 bits instead of the format's. Layers are
+    assumed to have the same number of heads and head sizes. None when a
+    layer's cache is not an affine or plain one."""
+    totals, elements = [0.0, 0.0], 0
+    for cache in caches:
+        bits = layer_bits(cache)
+        if bits is None:
+            return None
+        window = getattr(cache, "max_size", None)
+        tokens = context if window is None else min(context, window)
+        held = residual_tokens(getattr(cache, "residual", 0), tokens)
+        kept = getattr(cache, "keep_exact", 0)
+        if tokens < context:
+            kept = min(kept, getattr(cache, "keep", 0))
+        kept = min(kept, tokens - held)
+        for i in range(2):
+            totals[i] += (tokens - held) * bits[i] + (held + kept) * SCALE_BITS
+        elements += tokens
+    return tuple(t / elements for t in totals)
+
+
 CENTER_SUFFIX = r"(?P<center>\+center(?P<center_values>-kv)?)?"
 GROUP_SUFFIX = r"(/g(?P<groups>\d+(,\d+)?))?"
+EXACT_SUFFIX = r"(\+exact(?P<exact>\d+))?(\+res(?P<residual>\d+))?"
+LAYERS_SUFFIX = r"(\+(?P<layer_part>kv|k)(?P<layer_bits>\d+)@(?P<layers>\d+(\.\d+)*))?"
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """``"11.19"`` -> (11, 19)."""
+    return tuple(sorted({int(x) for x in text.split(".")}))
 
 
 def center_option(center, center_values) -> str:
@@ -187,12 +252,19 @@ def center_option(center, center_values) -> str:
 @register(
     r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?(?P<rotate>\+rotate)?"
     + CENTER_SUFFIX
+    + EXACT_SUFFIX
+    + LAYERS_SUFFIX
     + GROUP_SUFFIX,
-    syntax="B or K,V [+rotate] [+center|+center-kv] [/gG or /gGK,GV]",
+    syntax="B or K,V [+rotate] [+center|+center-kv] [+exactN] [+resR] "
+    "[+kB@L.L|+kvB@L.L] [/gG or /gGK,GV]",
     help="mlx affine QuantizedKVCache from the first token, K and V bits; "
     "+rotate stores keys and values rotated before quantizing them; +center "
     "stores keys minus their per-head mean of the first write "
-    "(CenteredQuantizedKVCache), +center-kv values too; /g: group size "
+    "(CenteredQuantizedKVCache), +center-kv values too; +exactN keeps each "
+    "sequence's first N tokens unquantized too (keep_exact=N); +resR keeps the "
+    "last R to 2R-1 tokens unquantized in unbounded layers (residual=R); +k8@11.19 "
+    "gives the keys of layers 11 and 19 8 bits (+kv8@: keys and values; "
+    "python -m omlx_cache.layers picks layers); /g: group size "
     "(else --kv-group-size)",
 )
 def affine(
@@ -203,23 +275,53 @@ def affine(
     rotate=None,
     center=None,
     center_values=None,
+    exact=None,
+    residual=None,
+    layer_part=None,
+    layer_bits=None,
+    layers=None,
     groups=None,
 ):
     bits = (int(key_bits), int(value_bits or key_bits))
+    keep_exact = int(exact or 0)
+    residual = int(residual or 0)
     if groups is not None:
         group_size = parse_group_size(groups)
     group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
     rotate = rotate is not None
     center = center_option(center, center_values)
+    high_layers = ()
+    if layers is not None:
+        high_layers = parse_layers(layers)
+        more = int(layer_bits)
+        high_bits = (more, more if layer_part == "kv" else bits[1])
+        _, high_bits = check_kv_quantization(group_sizes, high_bits)
 
-    def make_cache(model):
+    def make_layers(model, bits):
         # as generation makes them: sliding-window layers get quantized
         # rotating caches
         caches = make_prompt_cache(
-            model, kv_bits=bits, kv_group_size=group_sizes, kv_rotate=rotate
+            model,
+            kv_bits=bits,
+            kv_group_size=group_sizes,
+            kv_rotate=rotate,
+            kv_keep_exact=keep_exact,
+            kv_residual=residual,
         )
         if center:
             caches = [centered(c, center) for c in caches]
+        return caches
+
+    def make_cache(model):
+        caches = make_layers(model, bits)
+        if high_layers:
+            if high_layers[-1] >= len(caches):
+                raise ValueError(
+                    f"{name}: layer {high_layers[-1]} of a model with "
+                    f"{len(caches)} layers."
+                )
+            high = make_layers(model, high_bits)
+            caches = [high[i] if i in high_layers else c for i, c in enumerate(caches)]
         return caches
 
     return Scheme(
@@ -227,6 +329,8 @@ def affine(
         make_cache,
         bits_per_element=tuple(map(affine_bits, bits, group_sizes)),
         group_size=group_sizes,
+        kept_tokens=keep_exact,
+        high_layers=high_layers,
     )
 
 

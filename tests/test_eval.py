@@ -190,3 +190,131 @@ def test_main_writes_json(tmp_path, model, capsys):
     kv_eval.main(["--table", str(out)])
     short = capsys.readouterr().out
     assert "| fp16 | 16 / 16 | ref (PPL" in short and "| 4 | 4.5 / 4.5 | " in short
+
+
+def test_kept_tokens_scheme(model, windows):
+    s = schemes.get_scheme("4+rotate+center+exact4")
+    assert s.kept_tokens == 4 and s.bits_per_element == (4.5, 4.5)
+    caches = s.make_cache(model)
+    assert schemes.average_bits(caches, 4096) == (4.5 + 16 * 4 / 4096,) * 2
+    assert (caches[0].keep_exact, caches[0].rotate, caches[0].center) == (4, True, "k")
+    windows_ = schemes.windowed(s, 32).make_cache(model)
+    assert (windows_[0].keep_exact, windows_[0].max_size) == (4, 32)
+    # a window holds 32 tokens, of which the first 4 (keep=4) stay kept
+    assert schemes.average_bits(windows_, 4096) == (4.5 + 16 * 4 / 32,) * 2
+    no_keep = schemes.windowed(s, 32, keep=0).make_cache(model)
+    assert schemes.average_bits(no_keep, 4096) == (4.5, 4.5)
+    assert schemes.average_bits(no_keep, 32) == (4.5 + 16 * 4 / 32,) * 2
+
+    kv = [schemes.get_scheme(name) for name in ("fp16", "4", "4+exact4")]
+    r = by_name(kv_eval.evaluate_tokens(model, windows[:1], kv, chunk=32))
+    # the kept tokens make the 4-bit cache closer to fp16
+    assert r["4+exact4"]["kld"] < r["4"]["kld"]
+    assert r["4+exact4"]["kept_tokens"] == 4
+    assert r["4+exact4"]["bits_per_element_at_4096"]["k"] == 4.5 + 16 * 4 / 4096
+    assert r["4+exact4"]["bits_per_element_at_96"]["v"] == 4.5 + 16 * 4 / 96
+    # the stored bytes count the kept tokens, float32 here: 4 tokens of 2
+    # layers x 2 kv heads x 64 dims, keys and values, spread over 95 tokens
+    kept = 4 * 2 * 2 * 64 * 2 * 4 / 95
+    extra = r["4+exact4"]["cache_bytes_per_token"] - r["4"]["cache_bytes_per_token"]
+    assert extra == pytest.approx(kept)
+    assert "(4.516 / 4.516 at 4096)" in kv_eval.format_row(r["4+exact4"])
+
+
+def test_passkey_prompt(tmp_path, model):
+    from mlx_lm import load
+
+    write_model_dir(tmp_path / "tiny", model)
+    _, tokenizer = load(str(tmp_path / "tiny"))
+    assert kv_eval.passkey_depths(3) == [0.0, 0.5, 1.0]
+    assert kv_eval.passkey_key(4096, 2) == kv_eval.passkey_key(4096, 2)
+    assert kv_eval.passkey_key(4096, 2) != kv_eval.passkey_key(8192, 2)
+    needle_at = []
+    for depth in (0.0, 0.5, 1.0):
+        p = kv_eval.passkey_prompt(tokenizer, 400, depth, "68755", bos=1)
+        assert p.tokens[0] == 1
+        # whole filler lines: at most one short of the context
+        filler = len(kv_eval.encode(tokenizer, kv_eval.PASSKEY_FILLER))
+        assert 400 - filler < len(p.tokens) + len(p.answer) <= 400
+        text = tokenizer.decode(p.tokens)
+        assert text.endswith(kv_eval.PASSKEY_QUESTION)
+        assert tokenizer.decode(p.answer).strip() == "68755"
+        needle_at.append(text.index("The pass key is 68755"))
+    assert needle_at == sorted(needle_at) and needle_at[0] < needle_at[-1]
+    with pytest.raises(ValueError, match="needs more than"):
+        kv_eval.passkey_prompt(tokenizer, 30, 0.5, "68755")
+    with pytest.raises(ValueError, match="1 or more"):
+        kv_eval.passkey_depths(0)
+
+
+def test_main_dtype_and_passkey(tmp_path, model, capsys):
+    model_dir = tmp_path / "tiny"
+    write_model_dir(model_dir, model)
+    text = tmp_path / "text.raw"
+    text.write_bytes(TEXT.encode())
+    out = tmp_path / "eval.json"
+    argv = ["--model", str(model_dir), "--text", str(text), "--kv", "8,4+exact4"]
+    argv += ["--windows", "1", "--window-tokens", "48", "--chunk", "16"]
+    argv += ["--dtype", "bfloat16", "--passkey", "300,400", "--passkey-depths", "2"]
+    kv_eval.main([*argv, "--passkey-chunk", "64", "--out", str(out)])
+
+    report = json.loads(out.read_text())
+    assert report["dtype"] == "bfloat16"
+    assert report["passkey_depths"] == [0.0, 1.0]
+    for r in report["results"]:
+        assert list(r["passkey"]) == ["300", "400"]
+        for trials in r["passkey"].values():
+            assert trials["trials"] == 2
+            assert trials["correct"] == sum(t["correct"] for t in trials["runs"])
+            assert [t["depth"] for t in trials["runs"]] == [0.0, 1.0]
+            assert all(t["tokens"] <= 400 for t in trials["runs"])
+    # a bfloat16 model against its own bfloat16 cache
+    assert report["results"][0]["kld"] == 0.0
+    printed = capsys.readouterr().out
+    assert "| passkey |" in printed and "300: " in printed
+    with pytest.raises(SystemExit):
+        kv_eval.parse_args(["--passkey", "4096,x"])
+
+
+def test_layer_bits_and_rule(model, windows):
+    from omlx_cache import layers
+
+    s = schemes.get_scheme("4+rotate+k8@1")
+    assert s.high_layers == (1,)
+    caches = s.make_cache(model)
+    assert schemes.average_bits(caches, 4096) == (6.5, 4.5)
+    assert [c.key_bits for c in caches] == [4, 8]
+    assert [c.value_bits for c in caches] == [4, 4]
+    both = schemes.get_scheme("4+kv8@0.1/g32").make_cache(model)
+    assert [c.bits for c in both] == [8, 8] and both[0].group_size == 32
+    with pytest.raises(ValueError, match="layer 5"):
+        schemes.get_scheme("4+k8@5").make_cache(model)
+
+    errors = layers.layer_errors(model, windows[:1], schemes.get_scheme("4"), chunk=32)
+    assert len(errors) == 2 and all(e > 0 for e in errors)
+    top = layers.top_layers(errors, 1)
+    assert errors[top[0]] == max(errors)
+    assert layers.with_layers("4+rotate/g32", [3, 11], 8) == "4+rotate+k8@3.11/g32"
+    assert layers.with_layers("4", [], 8) == "4"
+    r = by_name(
+        kv_eval.evaluate_tokens(
+            model, windows[:1], [schemes.get_scheme(n) for n in ("fp16", "4+k8@1")]
+        )
+    )
+    assert r["4+k8@1"]["bits_per_element_at_4096"] == {"k": 6.5, "v": 4.5}
+    assert r["4+k8@1"]["high_layers"] == [1]
+
+
+def test_residual_scheme_bits(model):
+    s = schemes.get_scheme("4+rotate+center+exact4+res16")
+    caches = s.make_cache(model)
+    assert (caches[0].residual, caches[0].keep_exact, caches[0].center) == (16, 4, "k")
+    assert schemes.residual_tokens(16, 20) == 20
+    assert schemes.residual_tokens(16, 32) == 16
+    assert schemes.residual_tokens(16, 4096 + 5) == 21
+    assert schemes.residual_tokens(0, 4096) == 0
+    # 4,080 tokens at 4.5 bits, the first 4 of them also at 16, 16 held at 16
+    expected = (4080 * 4.5 + (4 + 16) * 16) / 4096
+    assert schemes.average_bits(caches, 4096) == pytest.approx((expected, expected))
+    # while every token is held, all are 16-bit
+    assert schemes.average_bits(caches, 20) == (16.0, 16.0)
