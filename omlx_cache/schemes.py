@@ -208,8 +208,9 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
     """(key, value) bits per element over everything ``caches`` (one per
     layer) store for a sequence of ``context`` tokens: a bounded layer holds
     at most its ``max_size`` tokens, tokens kept unquantized (``keep_exact``)
-    add 16 bits an element each while they are kept (in a bounded layer that
-    has evicted, only the first ``keep``), and the recent tokens a
+    add 16 bits an element each while they are kept (a bounded layer that
+    keeps its first ``keep`` tokens keeps at most those unquantized; one that
+    keeps none, none once it has evicted), and the recent tokens a
     ``residual`` holds unquantized cost 16 bits instead of the format's. Layers are
     assumed to have the same number of heads and head sizes. None when a
     layer's cache is not an affine or plain one."""
@@ -222,8 +223,9 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
         tokens = context if window is None else min(context, window)
         held = residual_tokens(getattr(cache, "residual", 0), tokens)
         kept = getattr(cache, "keep_exact", 0)
-        if tokens < context:
-            kept = min(kept, getattr(cache, "keep", 0))
+        keep = getattr(cache, "keep", 0)
+        if window is not None and (keep or tokens < context):
+            kept = min(kept, keep)
         kept = min(kept, tokens - held)
         for i in range(2):
             totals[i] += (tokens - held) * bits[i] + (held + kept) * SCALE_BITS

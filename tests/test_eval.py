@@ -205,6 +205,11 @@ def test_kept_tokens_scheme(model, windows):
     no_keep = schemes.windowed(s, 32, keep=0).make_cache(model)
     assert schemes.average_bits(no_keep, 4096) == (4.5, 4.5)
     assert schemes.average_bits(no_keep, 32) == (4.5 + 16 * 4 / 32,) * 2
+    # a window that keeps 2 first tokens keeps at most those unquantized
+    keep2 = schemes.windowed(s, 32, keep=2).make_cache(model)
+    assert keep2[0]._exact_rows() == 2
+    for context in (32, 4096):
+        assert schemes.average_bits(keep2, context) == (4.5 + 16 * 2 / 32,) * 2
 
     kv = [schemes.get_scheme(name) for name in ("fp16", "4", "4+exact4")]
     r = by_name(kv_eval.evaluate_tokens(model, windows[:1], kv, chunk=32))
