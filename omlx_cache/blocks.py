@@ -302,8 +302,11 @@ class LinearLayout:
     name = "linear"
 
     def length(self, cache) -> int:
-        """Tokens held in order from the first (0: none usable)."""
-        return 0 if cache.empty() else int(cache.state[2])
+        """Tokens held in order from the first (0: none usable; a residual's
+        recent tokens are held apart from the pages, in its settings)."""
+        if cache.empty() or getattr(cache, "residual", 0):
+            return 0
+        return int(cache.state[2])
 
     def settings(self, state) -> list:
         return list(state[3:])

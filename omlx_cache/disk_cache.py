@@ -15,8 +15,8 @@ longest tail stored there. With tails, a prefix comes back where it was stored
 (e.g. at the end of a system prompt, where the server stores one), so the rest
 of the prompt is computed as it would have been without the disk. The key covers the model (its path, the hashes of its
 config files, its weight files' names and sizes), the cache settings
-(``--kv-bits``, ``--kv-group-size``, ``--kv-rotate``, ``--max-kv-size``,
-``--quantized-kv-start``), the block size and the format version: a different
+(``--kv-bits``, ``--kv-group-size``, ``--kv-rotate``, ``--kv-keep-exact``,
+``--max-kv-size``, ``--quantized-kv-start``), the block size and the format version: a different
 model or setting never reads another's blocks.
 
     DIR/<key>/key.json               what the key stands for
@@ -118,6 +118,7 @@ def cache_settings(args: argparse.Namespace) -> dict:
         "kv_bits",
         "kv_group_size",
         "kv_rotate",
+        "kv_keep_exact",
         "max_kv_size",
         "quantized_kv_start",
     )

@@ -49,6 +49,10 @@ KINDS = {
     "4+rotate": lambda m: make_prompt_cache(m, kv_bits=4, kv_rotate=True),
     "rotating": lambda m: make_prompt_cache(m, max_kv_size=512),
     "rotating-8": lambda m: make_prompt_cache(m, max_kv_size=512, kv_bits=8),
+    "8,4+exact16": lambda m: make_prompt_cache(m, kv_bits=(8, 4), kv_keep_exact=16),
+    "rotating-8+exact8": lambda m: make_prompt_cache(
+        m, max_kv_size=512, kv_bits=8, kv_keep_exact=8
+    ),
     "center-kv": lambda m: [
         CenteredQuantizedKVCache(64, 4, center="kv") for _ in m.layers
     ],
@@ -107,6 +111,17 @@ def test_round_trip(model, tokens, tmp_path, kind):
     logits = prefill(model, restored, tokens[n:280])
     assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item()
     assert mx.array_equal(logits.argmax(-1), expected.argmax(-1)).item()
+
+
+def test_residual_cache_is_not_stored(model, tokens, tmp_path):
+    """A residual's recent tokens are not in its pages: no block of it."""
+    cache = make_prompt_cache(model, kv_bits=4, kv_residual=16)
+    prefill(model, cache, tokens[:100])
+    assert cache[0]._n_held
+    t = tier(tmp_path)
+    t.insert(MODEL, tokens[:100], cache)
+    t.flush()
+    assert t.stats.written_blocks == 0 and t.fetch(MODEL, tokens, 0) is None
 
 
 def test_fetch_limits(model, tokens, tmp_path):
