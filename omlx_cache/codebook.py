@@ -6,7 +6,8 @@ b-bit index into a Lloyd-Max codebook. A rotated unit vector's coordinates
 are close to N(0, 1/D) whatever the input, so one fixed codebook (the
 Lloyd-Max levels of a unit Gaussian, scaled by 1/sqrt(D)) fits every head and
 layer without calibration. Indices are packed densely (32 three-bit indices
-in 3 uint32 words), so an element costs b + 16/D bits: 3.125 at D = 128.
+in 3 uint32 words, as sign and magnitude for the CUDA kernels of
+``codebook_kernel``), so an element costs b + 16/D bits: 3.125 at D = 128.
 
 The cache is paged like mlx-lm's ``QuantizedKVCache``: vectors are encoded
 once, as they arrive, into pages allocated once and written in place. It
@@ -185,6 +186,32 @@ def _layout(bits: int):
     }
 
 
+def sign_magnitude_3bit():
+    """Where element r (0..31) of a block of 32 three-bit indices lies in the
+    block's 3 words: (magnitude word, magnitude shift, sign shift); word 2
+    holds the signs. The index's sign is ``idx >= 4`` and its magnitude (two
+    bits) counts levels away from zero. Two elements four apart share a pair
+    of bytes (shifts 16 kk + 2 j and 16 kk + 8 + 2 j) and have their signs at
+    bits P and P + 16, so that a decoder makes a pair of halves from one
+    shift-and-mask, one byte permute and one shift (``codebook_kernel``)."""
+    r = np.arange(32)
+    mw, h = r // 16, r % 16
+    k, j = h // 4, h % 4
+    pair = mw * 8 + (k // 2) * 4 + j
+    return mw, 8 * k + 2 * j, pair + 16 * (k % 2)
+
+
+@lru_cache
+def _layout3():
+    mw, mag_shift, sign_shift = sign_magnitude_3bit()
+    return {
+        "mag_word": mx.array(mw, mx.uint32),
+        "mag_shift": mx.array(mag_shift, mx.uint32),
+        "sign_shift": mx.array(sign_shift, mx.uint32),
+        "to_word": mx.array(np.arange(2) == mw[:, None], mx.uint32),
+    }
+
+
 def packed_dim(dim: int, bits: int) -> int:
     """uint32 words holding ``dim`` indices of ``bits`` bits."""
     per = _layout(bits)["per"]
@@ -195,7 +222,11 @@ def packed_dim(dim: int, bits: int) -> int:
 
 def pack(indices: mx.array, bits: int) -> mx.array:
     """Pack the last axis of ``indices`` (each < 2**bits) into uint32 words with
-    no unused bit: (..., D) -> (..., D * bits / 32)."""
+    no unused bit: (..., D) -> (..., D * bits / 32). Three-bit indices are
+    stored as sign and magnitude (``sign_magnitude_3bit``), other widths
+    densely in order, an index spilling into the next word where it must."""
+    if bits == 3:
+        return _pack3(indices)
     lay = _layout(bits)
     dim = indices.shape[-1]
     words = packed_dim(dim, bits)
@@ -209,6 +240,8 @@ def pack(indices: mx.array, bits: int) -> mx.array:
 
 def unpack(packed: mx.array, bits: int) -> mx.array:
     """The uint32 indices that ``pack`` packed: (..., W) -> (..., W * 32 / bits)."""
+    if bits == 3:
+        return _unpack3(packed)
     lay = _layout(bits)
     words = packed.shape[-1]
     blocks = packed.reshape(*packed.shape[:-1], words // lay["words"], lay["words"])
@@ -216,6 +249,30 @@ def unpack(packed: mx.array, bits: int) -> mx.array:
     high = (mx.take(blocks, lay["next"], axis=-1) << lay["back"]) * lay["spill"]
     indices = (low | high) & ((1 << bits) - 1)
     return indices.reshape(*packed.shape[:-1], words * 32 // bits)
+
+
+def _pack3(indices: mx.array) -> mx.array:
+    lay = _layout3()
+    dim = indices.shape[-1]
+    words = packed_dim(dim, 3)
+    blocks = indices.astype(mx.uint32).reshape(-1, dim // 32, 32)
+    sign = blocks >> 2
+    # magnitude: 0 for the levels next to zero, 3 for the outermost
+    magnitude = (blocks & 3) ^ ((sign ^ 1) * 3)
+    mags = ((magnitude << lay["mag_shift"])[..., None] * lay["to_word"]).sum(axis=-2)
+    signs = (sign << lay["sign_shift"]).sum(axis=-1, keepdims=True)
+    out = mx.concatenate([mags, signs], axis=-1)
+    return out.reshape(*indices.shape[:-1], words)
+
+
+def _unpack3(packed: mx.array) -> mx.array:
+    lay = _layout3()
+    words = packed.shape[-1]
+    blocks = packed.reshape(*packed.shape[:-1], words // 3, 3)
+    mags = mx.take(blocks, lay["mag_word"], axis=-1) >> lay["mag_shift"]
+    sign = (blocks[..., 2:3] >> lay["sign_shift"]) & 1
+    indices = (sign << 2) | ((mags & 3) ^ ((sign ^ 1) * 3))
+    return indices.reshape(*packed.shape[:-1], words * 32 // 3)
 
 
 # ---------------------------------------------------------------------------
