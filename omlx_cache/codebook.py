@@ -332,6 +332,10 @@ class Codebook:
 
     def encode(self, x: mx.array):
         """(packed indices, float16 norms) of the vectors on the last axis."""
+        from . import codebook_kernel
+
+        if codebook_kernel.encodes(x, self):
+            return codebook_kernel.encode(x, self)
         dim = x.shape[-1]
         x = rotate(x.astype(mx.float32), self.rotation)
         length = mx.sqrt((x * x).sum(axis=-1, keepdims=True))
@@ -624,17 +628,25 @@ class _CodebookKV(_Centering, _PagedKV):
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
-        out = codebook_scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            self.key_codec,
-            self.value_codec,
-            scale=scale,
-            mask=mask,
-            sinks=self._center_sinks(queries, scale, sinks),
-            length=self._length(),
+        from . import codebook_kernel
+
+        sinks = self._center_sinks(queries, scale, sinks)
+        codecs = (self.key_codec, self.value_codec)
+        # CUDA kernels where they apply (codebook_kernel), else MLX ops
+        out = codebook_kernel.attention(
+            queries, keys, values, *codecs, scale, mask, sinks, self._length()
         )
+        if out is None:
+            out = codebook_scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                *codecs,
+                scale=scale,
+                mask=mask,
+                sinks=sinks,
+                length=self._length(),
+            )
         return self._uncenter(out)
 
     def _set_state(
