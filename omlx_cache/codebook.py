@@ -139,10 +139,28 @@ def givens_rotate(x: mx.array, inverse: bool = False) -> mx.array:
     return out.reshape(x.shape).astype(x.dtype)
 
 
+@lru_cache
+def _hadamard(dim: int, dtype) -> mx.array | None:
+    """The normalised Hadamard matrix (Sylvester's order) for a power of two,
+    built on the host: ``kv_rotation_matrix`` checks its matrix's
+    orthogonality on the default device, and on CUDA (TF32 matmuls) that check
+    fails at 128 and it returns its random fallback instead, which the CUDA
+    kernels (``codebook_kernel``) do not compute."""
+    if dim & (dim - 1):
+        return None
+    i = np.arange(dim)
+    signs = (np.bitwise_count(i[:, None] & i[None]) % 2).astype(np.float64)
+    return mx.array((1 - 2 * signs) / np.sqrt(dim), dtype)
+
+
 def rotate(x: mx.array, rotation: str, inverse: bool = False) -> mx.array:
     """Apply the named orthogonal rotation to the last axis of ``x`` (or undo it)."""
     if rotation == "hadamard":
-        return kv_rotate(x, inverse=inverse)
+        matrix = _hadamard(x.shape[-1], x.dtype)
+        if matrix is None:
+            return kv_rotate(x, inverse=inverse)
+        # symmetric and orthogonal: its own inverse
+        return x @ matrix
     if rotation == "givens":
         return givens_rotate(x, inverse=inverse)
     return x
@@ -559,6 +577,35 @@ class _CodebookKV(_Centering, _PagedKV):
     (``omlx_cache.center``)."""
 
     page_size = 4096
+    # Decode tokens held unquantized for the CUDA decode kernel, as patch
+    # 0009's ``QuantizedKVCache.decode_buffer``: a step writes two slices
+    # instead of encoding keys and values and writing four. They are centered
+    # like the stored tokens but not rotated, and encoded into the pages when
+    # the buffer fills and before anything else reads the pages. None: 32
+    # where the kernel runs (``codebook_kernel.holds``), else none.
+    decode_buffer = None
+    held_keys = held_values = None
+    n_held = 0
+
+    def _flush(self):
+        """Encode the held tokens into the pages."""
+        n = self.n_held
+        if not n:
+            return
+        self.n_held = 0
+        keys, values = (x[:, :, :n] for x in (self.held_keys, self.held_values))
+        start = self._length() - n
+        self._write_pages(keys, values, start, self.page_size, transformed=True)
+
+    def _quantize_transformed(self, keys, values):
+        # held tokens: already centered
+        return self.key_codec.encode(keys), self.value_codec.encode(values)
+
+    @property
+    def _held_nbytes(self):
+        if self.held_keys is None:
+            return 0
+        return self.held_keys.nbytes + self.held_values.nbytes
 
     def _set_codecs(self, keys, values=None, page_size=None, center=""):
         self.key_codec = codec(keys)
@@ -606,6 +653,7 @@ class _CodebookKV(_Centering, _PagedKV):
     def keys_and_values(self):
         """The encoded keys and values up to the length, as one tuple each (a
         copy when the cache has more than one page)."""
+        self._flush()
         return tuple(
             tuple(x[..., : self._length(), :] for x in self._joined(pages))
             for pages in (self.key_pages, self.value_pages)
@@ -632,11 +680,16 @@ class _CodebookKV(_Centering, _PagedKV):
 
         sinks = self._center_sinks(queries, scale, sinks)
         codecs = (self.key_codec, self.value_codec)
+        held = None
+        if self.n_held:
+            held = (self.held_keys, self.held_values, self.n_held)
         # CUDA kernels where they apply (codebook_kernel), else MLX ops
+        length = self._length() - self.n_held
         out = codebook_kernel.attention(
-            queries, keys, values, *codecs, scale, mask, sinks, self._length()
+            queries, keys, values, *codecs, scale, mask, sinks, length, held
         )
         if out is None:
+            self._flush()
             out = codebook_scaled_dot_product_attention(
                 queries,
                 keys,
@@ -689,7 +742,7 @@ class _CodebookKV(_Centering, _PagedKV):
 
     @property
     def nbytes(self):
-        return self._pages_nbytes + self._means_nbytes
+        return self._pages_nbytes + self._means_nbytes + self._held_nbytes
 
     def empty(self):
         return not self.key_pages
@@ -722,14 +775,44 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
     def update_and_fetch(self, keys, values):
         if self.empty():
             self._check_dims(keys, values)
+        elif keys.shape[2] == 1 and self._hold(keys, values):
+            return self.key_pages, self.value_pages
+        self._flush()
         self._write_pages(keys, values, self.offset, self.page_size)
         self.offset += keys.shape[2]
         return self.key_pages, self.value_pages
+
+    def _hold(self, keys, values) -> bool:
+        """Hold a decode token unquantized if the buffer is on (True)."""
+        from . import codebook_kernel
+
+        size = self.decode_buffer
+        if size is None:
+            codecs = (self.key_codec, self.value_codec)
+            size = 32 if codebook_kernel.holds(keys, values, *codecs) else 0
+        if not size:
+            return False
+        B, n_kv_heads, _, dim = keys.shape
+        shape = (B, n_kv_heads, size, dim)
+        if self.held_keys is None or self.held_keys.shape != shape:
+            self._flush()
+            self.held_keys = mx.zeros(shape, keys.dtype)
+            self.held_values = mx.zeros((*shape[:3], values.shape[-1]), values.dtype)
+        keys, values = self._center(keys, values)
+        n = self.n_held
+        self.held_keys[:, :, n : n + 1] = keys
+        self.held_values[:, :, n : n + 1] = values
+        self.n_held += 1
+        self.offset += 1
+        if self.n_held == size:
+            self._flush()
+        return True
 
     def size(self):
         return self.offset
 
     def trim(self, n):
+        self._flush()
         n = min(self.offset, n)
         self.offset -= n
         return n
@@ -739,6 +822,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
 
     @property
     def state(self):
+        self._flush()
         return (
             self._pages_state(self.key_pages),
             self._pages_state(self.value_pages),
@@ -754,6 +838,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         keys, values, offset, *settings = v
         self._set_state(keys, values, offset, *settings)
         self.offset = int(offset)
+        self.n_held = 0
 
     @classmethod
     def merge(cls, caches):

@@ -333,15 +333,87 @@ _DECODE_SOURCE = """
     const int bh = blockIdx.y;
     const int span = meta[3 * NP];
     const int splits = meta[3 * NP + 1];
-    const int block = blockIdx.x;
+    const int mask_keys = mask_shape[3];
+    const float inv_sqrt_d = 1.f / sqrtf((float)D);
+    const float scale = __int_as_float(meta[3 * NP + 2]);
+
+    // the first block takes the held (unquantized, unrotated) decode tokens,
+    // if any, on CUDA cores: a warp per query head, a lane D / 32 dims; they
+    // follow the pages' keys, but it starts first so as not to run alone at
+    // the end. Its weighted values are rotated like the pages' (RV).
+    const int n_held = held_count[0];
+    if (n_held > 0 && blockIdx.x == 0) {
+        int stored = 0;
+        for (int i = 0; i < NP; ++i) {
+            stored = max(stored, meta[2 * NP + i] + meta[i]);
+        }
+        const auto mask_held = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0) + stored;
+        const int buffer = held_keys_shape[2];
+        const size_t part = (size_t)bh * gridDim.x;
+        for (int g = warp; g < G; g += WARPS) {
+            const auto q_src = queries + ((size_t)bh * G + g) * D;
+            float q[D / 32];
+            float acc[D / 32];
+            #pragma unroll
+            for (int i = 0; i < D / 32; ++i) {
+                q[i] = static_cast<float>(q_src[i * 32 + lane]) * scale;
+                acc[i] = 0.f;
+            }
+            float m = neg_inf;
+            float l = 0.f;
+            for (int k = 0; k < n_held; ++k) {
+                const size_t row = ((size_t)bh * buffer + k) * D;
+                float s = 0.f;
+                #pragma unroll
+                for (int i = 0; i < D / 32; ++i) {
+                    s += q[i] * static_cast<float>(held_keys[row + i * 32 + lane]);
+                }
+                #pragma unroll
+                for (int o_ = 16; o_ > 0; o_ >>= 1) {
+                    s += __shfl_xor_sync(0xffffffff, s, o_);
+                }
+                if (MASK == 1 && !static_cast<bool>(mask_held[k])) {
+                    continue;
+                }
+                if (MASK == 2) {
+                    s += static_cast<float>(mask_held[k]);
+                }
+                const float m_new = fmaxf(m, s);
+                const float correction = __expf(m - m_new);
+                const float p = __expf(s - m_new);
+                l = l * correction + p;
+                #pragma unroll
+                for (int i = 0; i < D / 32; ++i) {
+                    acc[i] = acc[i] * correction
+                        + p * static_cast<float>(held_values[row + i * 32 + lane]);
+                }
+                m = m_new;
+            }
+            if (RV) {
+                fwht_warp<D / 32>(acc, lane);
+                #pragma unroll
+                for (int i = 0; i < D / 32; ++i) {
+                    acc[i] *= inv_sqrt_d;
+                }
+            }
+            #pragma unroll
+            for (int i = 0; i < D / 32; ++i) {
+                out_values[(part * G + g) * D + i * 32 + lane] = acc[i];
+            }
+            if (lane == 0) {
+                out_max[part * G + g] = m;
+                out_sum[part * G + g] = l;
+            }
+        }
+        return;
+    }
+    const int block = blockIdx.x - (n_held > 0);
     const int page = block / splits;
     const int page_size = meta[NP + page];
     const int page_offset = meta[2 * NP + page];
     const int first = (block % splits) * span;
     const int last = min(first + span, meta[page]);
-    const int mask_keys = mask_shape[3];
     const auto mask_row = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0) + page_offset;
-    const float inv_sqrt_d = 1.f / sqrtf((float)D);
 
     PAGE_POINTERS
 
@@ -351,7 +423,6 @@ _DECODE_SOURCE = """
     __shared__ float warp_acc[WARPS][G][D];
 
     // the queries, rotated (RK) and scaled, once per block
-    const float scale = __int_as_float(meta[3 * NP + 2]);
     for (int g = warp; g < G; g += WARPS) {
         float v[D / 32];
         const auto q_src = queries + ((size_t)bh * G + g) * D;
@@ -761,7 +832,7 @@ def _decode_kernel(n_pages):
     inputs += [f"{part}_{i}" for i in range(n_pages) for part in _PAGE_PARTS]
     return _kernel(
         f"codebook_sdpa_decode_{n_pages}",
-        inputs + ["meta", "mask"],
+        inputs + ["meta", "mask", "held_keys", "held_values", "held_count"],
         ["out_values", "out_max", "out_sum"],
         _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages)),
     )
@@ -812,22 +883,44 @@ def encodes(x: mx.array, codec) -> bool:
     )
 
 
+def holds(keys, values, key_codec, value_codec) -> bool:
+    """Whether decode tokens like these may wait unquantized for the decode
+    kernel (``CodebookKVCache.decode_buffer``)."""
+    D = keys.shape[-1]
+    return (
+        D in (64, 128, 256)
+        and values.shape[-1] == D
+        and _rotates(key_codec) is not None
+        and _rotates(value_codec) is not None
+        and _on_cuda()
+    )
+
+
 def applies(
-    queries, key_pages, value_pages, key_codec, value_codec, mask, sinks, length
+    queries,
+    key_pages,
+    value_pages,
+    key_codec,
+    value_codec,
+    mask,
+    sinks,
+    length,
+    held=None,
 ):
-    """Whether ``attention`` handles this call (``length`` keys attended)."""
+    """Whether ``attention`` handles this call (``length`` keys attended, held
+    ones included)."""
     if sinks is not None or not key_pages or not _on_cuda():
         return False
     if _rotates(key_codec) is None or _rotates(value_codec) is None:
         return False
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
-    if D not in (64, 128, 256) or key_codec.dim(value_pages[0]) != D:
+    if D not in (64, 128, 256) or key_codec.dim(key_pages[0]) != D:
         return False
     if value_codec.dim(value_pages[0]) != D or n_q_heads % n_kv_heads:
         return False
     if L > 1:
-        return True
+        return held is None
     return n_q_heads // n_kv_heads <= 8 and qd._mask_kind(mask, B, length) is not None
 
 
@@ -934,11 +1027,33 @@ def _combine(values, maxes, sums, dtype, shape, rotate_back):
     )[0]
 
 
+@functools.cache
+def _held_count(n):
+    """The kernel's count of held keys: made once, so that a decode step
+    neither uploads it nor adds a node to the graph."""
+    return mx.array([n], dtype=mx.int32)
+
+
+@functools.cache
+def _no_held(dtype):
+    return mx.zeros((1, 1, 1, 1), dtype=dtype)
+
+
 def decode_attention(
-    queries, key_pages, value_pages, key_codec, value_codec, scale, mask, length
+    queries,
+    key_pages,
+    value_pages,
+    key_codec,
+    value_codec,
+    scale,
+    mask,
+    length,
+    held=None,
 ):
     """Attention of one query token per sequence over the first ``length``
-    keys and values of the pages (``applies`` says which calls)."""
+    keys and values of the pages, then the ``held`` ones if given (keys and
+    values of shape (B, n_kv_heads, buffer, D), centered like the pages but
+    not rotated, and how many of them count; ``applies`` says which calls)."""
     B, n_q_heads, _, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
     G = n_q_heads // n_kv_heads
@@ -950,6 +1065,11 @@ def decode_attention(
             break
         sizes.append(page[0].shape[2])
         stored += sizes[-1]
+    held_keys, held_values, n_held = held or (
+        _no_held(queries.dtype),
+        _no_held(queries.dtype),
+        0,
+    )
     template = [
         ("D", D),
         ("G", G),
@@ -958,7 +1078,8 @@ def decode_attention(
         ("RK", _rotates(key_codec)),
         ("WARPS", WARPS),
         ("NKV", n_kv_heads),
-        ("MASK", qd._mask_kind(mask, B, length)),
+        ("MASK", qd._mask_kind(mask, B, length + n_held)),
+        ("RV", _rotates(value_codec)),
         ("MB", mask is not None and not isinstance(mask, str) and mask.shape[0] > 1),
     ]
     if mask is None or isinstance(mask, str):
@@ -972,11 +1093,15 @@ def decode_attention(
             length, launch_sizes, sum(sizes[:first]), rows, n_slots, scale_bits
         )
         n_blocks = len(pages) * splits
+        # the last launch has one more block for the held keys
+        n_launch_held = n_held if first + MAX_PAGES >= len(sizes) else 0
+        if n_launch_held:
+            n_blocks += 1
         pages += [pages[-1]] * (n_slots - len(pages))
         inputs = [queries]
         for p in pages:
             inputs += [*key_pages[p], *value_pages[p]]
-        inputs += [meta, mask]
+        inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
         v, m, s = _decode_kernel(n_slots)(
             inputs=inputs,
             template=template + [("NP", n_slots)],
@@ -1009,25 +1134,29 @@ def decode_attention(
 
 
 def attention(
-    queries, key_pages, value_pages, key_codec, value_codec, scale, mask, sinks, length
+    queries,
+    key_pages,
+    value_pages,
+    key_codec,
+    value_codec,
+    scale,
+    mask,
+    sinks,
+    length,
+    held=None,
 ):
-    """The kernels' attention over a codebook cache's pages, or None where
-    they do not apply (the caller takes the MLX-ops path)."""
+    """The kernels' attention over a codebook cache's pages (the first
+    ``length`` tokens, then the ``held`` ones as in ``decode_attention``), or
+    None where they do not apply (the caller takes the MLX-ops path)."""
     codecs = (key_codec, value_codec)
-    if not applies(queries, key_pages, value_pages, *codecs, mask, sinks, length):
+    n_held = held[2] if held else 0
+    if not applies(
+        queries, key_pages, value_pages, *codecs, mask, sinks, length + n_held, held
+    ):
         return None
-    args = (
-        queries,
-        key_pages,
-        value_pages,
-        key_codec,
-        value_codec,
-        scale,
-        mask,
-        length,
-    )
+    args = (queries, key_pages, value_pages, *codecs, scale, mask, length)
     if queries.shape[2] == 1:
-        return decode_attention(*args)
+        return decode_attention(*args, held=held)
     return prefill_attention(*args)
 
 
@@ -1038,5 +1167,6 @@ __all__ = [
     "dequantize",
     "encode",
     "encodes",
+    "holds",
     "prefill_attention",
 ]
