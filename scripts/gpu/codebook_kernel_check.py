@@ -74,15 +74,20 @@ def check_codec(rows):
                 print(rows[-1], flush=True)
 
 
-def filled(keys_bits, values_bits, B, n_kv, n, D, page_size, center=""):
+def filled(keys_bits, values_bits, B, n_kv, n, D, page_size, center="", held=0):
+    """A cache of ``n`` random tokens, the last ``held`` of them written one
+    at a time (held unquantized for the decode kernel, where it runs)."""
     cache = CodebookKVCache(keys_bits, values_bits, page_size=page_size, center=center)
     k = mx.random.normal((B, n_kv, n, D)).astype(mx.float16)
     v = mx.random.normal((B, n_kv, n, D)).astype(mx.float16)
     # an outlier channel, as real keys have
     k = k + 4 * (mx.arange(D) == 3).astype(mx.float16)
     step = 1000
-    for s in range(0, n, step):
-        cache.update_and_fetch(k[:, :, s : s + step], v[:, :, s : s + step])
+    for s in range(0, n - held, step):
+        stop = min(s + step, n - held)
+        cache.update_and_fetch(k[:, :, s:stop], v[:, :, s:stop])
+    for t in range(n - held, n):
+        cache.update_and_fetch(k[:, :, t : t + 1], v[:, :, t : t + 1])
     mx.eval(cache.key_pages, cache.value_pages)
     return cache
 
@@ -102,34 +107,41 @@ def check_attention(rows):
     ]
     scale = 0.088
     for kb, vb, B, n_q, n_kv, D, n, page in cases:
-        for center in ("", "kv"):
-            cache = filled(kb, vb, B, n_kv, n, D, page, center)
-            for L, mask in ((1, None), (33, "causal")):
-                q = mx.random.normal((B, n_q, L, D)).astype(mx.float16)
-                out = cache.scaled_dot_product_attention(
+        for center, L, mask, held in (
+            ("", 1, None, 0),
+            ("", 33, "causal", 0),
+            ("", 1, None, 5),
+            ("kv", 1, None, 37),
+            ("kv", 33, "causal", 0),
+        ):
+            cache = filled(kb, vb, B, n_kv, n, D, page, center, held)
+            n_held = cache.n_held
+            q = mx.random.normal((B, n_q, L, D)).astype(mx.float16)
+            out = cache.scaled_dot_product_attention(
+                q, cache.key_pages, cache.value_pages, scale, mask
+            )
+            with codebook_kernel.disabled():
+                ops = cache.scaled_dot_product_attention(
                     q, cache.key_pages, cache.value_pages, scale, mask
                 )
-                with codebook_kernel.disabled():
-                    ops = cache.scaled_dot_product_attention(
-                        q, cache.key_pages, cache.value_pages, scale, mask
-                    )
-                ref = reference(q, cache, scale, mask)
-                rows.append(
-                    {
-                        "check": "attention",
-                        "bits": (kb, vb),
-                        "B": B,
-                        "heads": (n_q, n_kv),
-                        "D": D,
-                        "tokens": n,
-                        "page": page,
-                        "center": center,
-                        "L": L,
-                        "kernel_rel_err": rel(out, ref),
-                        "ops_rel_err": rel(ops, ref),
-                    }
-                )
-                print(rows[-1], flush=True)
+            ref = reference(q, cache, scale, mask)
+            rows.append(
+                {
+                    "check": "attention",
+                    "bits": (kb, vb),
+                    "B": B,
+                    "heads": (n_q, n_kv),
+                    "D": D,
+                    "tokens": n,
+                    "page": page,
+                    "center": center,
+                    "L": L,
+                    "held": n_held,
+                    "kernel_rel_err": rel(out, ref),
+                    "ops_rel_err": rel(ops, ref),
+                }
+            )
+            print(rows[-1], flush=True)
     # batched decode with left padding (a boolean and an additive mask)
     for kb, vb in ((3, 3), (4, 4), (3, 4)):
         B, n_q, n_kv, D, n = 3, 32, 8, 128, 1500
