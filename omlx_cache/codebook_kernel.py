@@ -361,33 +361,56 @@ _DECODE_SOURCE = """
             }
             float m = neg_inf;
             float l = 0.f;
-            for (int k = 0; k < n_held; ++k) {
-                const size_t row = ((size_t)bh * buffer + k) * D;
-                float s = 0.f;
+            // four keys at a time, their rows loaded before any is used
+            for (int k0 = 0; k0 < n_held; k0 += 4) {
+                float hk[4][D / 32];
+                float hv[4][D / 32];
                 #pragma unroll
-                for (int i = 0; i < D / 32; ++i) {
-                    s += q[i] * static_cast<float>(held_keys[row + i * 32 + lane]);
+                for (int u = 0; u < 4; ++u) {
+                    const int k = min(k0 + u, n_held - 1);
+                    const size_t row = ((size_t)bh * buffer + k) * D;
+                    #pragma unroll
+                    for (int i = 0; i < D / 32; ++i) {
+                        hk[u][i] = static_cast<float>(held_keys[row + i * 32 + lane]);
+                        hv[u][i] = static_cast<float>(held_values[row + i * 32 + lane]);
+                    }
+                }
+                float s[4];
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    s[u] = 0.f;
+                    #pragma unroll
+                    for (int i = 0; i < D / 32; ++i) {
+                        s[u] += q[i] * hk[u][i];
+                    }
                 }
                 #pragma unroll
                 for (int o_ = 16; o_ > 0; o_ >>= 1) {
-                    s += __shfl_xor_sync(0xffffffff, s, o_);
+                    #pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        s[u] += __shfl_xor_sync(0xffffffff, s[u], o_);
+                    }
                 }
-                if (MASK == 1 && !static_cast<bool>(mask_held[k])) {
-                    continue;
-                }
-                if (MASK == 2) {
-                    s += static_cast<float>(mask_held[k]);
-                }
-                const float m_new = fmaxf(m, s);
-                const float correction = __expf(m - m_new);
-                const float p = __expf(s - m_new);
-                l = l * correction + p;
                 #pragma unroll
-                for (int i = 0; i < D / 32; ++i) {
-                    acc[i] = acc[i] * correction
-                        + p * static_cast<float>(held_values[row + i * 32 + lane]);
+                for (int u = 0; u < 4; ++u) {
+                    const int k = k0 + u;
+                    if (k >= n_held) {
+                        break;
+                    }
+                    if (MASK == 1 && !static_cast<bool>(mask_held[k])) {
+                        continue;
+                    }
+                    const float sk = MASK == 2 ? s[u] + static_cast<float>(mask_held[k]) : s[u];
+                    const float m_new = fmaxf(m, sk);
+                    const float correction = __expf(m - m_new);
+                    const float p = __expf(sk - m_new);
+                    l = l * correction + p;
+                    #pragma unroll
+                    for (int i = 0; i < D / 32; ++i) {
+                        acc[i] = acc[i] * correction + p * hv[u][i];
+                    }
+                    m = m_new;
                 }
-                m = m_new;
             }
             if (RV) {
                 fwht_warp<D / 32>(acc, lane);
@@ -827,6 +850,7 @@ def _page_pointers(n_pages):
     return "\n    ".join(lines)
 
 
+@functools.cache
 def _decode_kernel(n_pages):
     inputs = ["queries"]
     inputs += [f"{part}_{i}" for i in range(n_pages) for part in _PAGE_PARTS]
@@ -1028,6 +1052,13 @@ def _combine(values, maxes, sums, dtype, shape, rotate_back):
 
 
 @functools.cache
+def _template(D, G, KB, VB, RK, RV, NKV, MASK, MB):
+    """The decode kernel's template arguments (made once per kind of call)."""
+    names = ("D", "G", "KB", "VB", "RK", "RV", "NKV", "MASK", "MB", "WARPS")
+    return tuple(zip(names, (D, G, KB, VB, RK, RV, NKV, MASK, MB, WARPS)))
+
+
+@functools.cache
 def _held_count(n):
     """The kernel's count of held keys: made once, so that a decode step
     neither uploads it nor adds a node to the graph."""
@@ -1070,18 +1101,17 @@ def decode_attention(
         _no_held(queries.dtype),
         0,
     )
-    template = [
-        ("D", D),
-        ("G", G),
-        ("KB", key_codec.bits),
-        ("VB", value_codec.bits),
-        ("RK", _rotates(key_codec)),
-        ("WARPS", WARPS),
-        ("NKV", n_kv_heads),
-        ("MASK", qd._mask_kind(mask, B, length + n_held)),
-        ("RV", _rotates(value_codec)),
-        ("MB", mask is not None and not isinstance(mask, str) and mask.shape[0] > 1),
-    ]
+    template = _template(
+        D,
+        G,
+        key_codec.bits,
+        value_codec.bits,
+        _rotates(key_codec),
+        _rotates(value_codec),
+        n_kv_heads,
+        qd._mask_kind(mask, B, length + n_held),
+        mask is not None and not isinstance(mask, str) and mask.shape[0] > 1,
+    )
     if mask is None or isinstance(mask, str):
         mask = qd._no_mask()
     values, maxes, sums = [], [], []
@@ -1104,7 +1134,7 @@ def decode_attention(
         inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
         v, m, s = _decode_kernel(n_slots)(
             inputs=inputs,
-            template=template + [("NP", n_slots)],
+            template=[*template, ("NP", n_slots)],
             grid=(n_blocks * 32 * WARPS, rows, 1),
             threadgroup=(32 * WARPS, 1, 1),
             output_shapes=[
