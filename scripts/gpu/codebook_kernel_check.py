@@ -22,8 +22,21 @@ from omlx_cache.codebook import Codebook, CodebookKVCache, rotate
 
 
 def reference(queries, cache, scale, mask=None):
-    """float32 attention over the cache's decoded keys and values."""
-    keys, values = cache.dequantize(mx.float32)
+    """float32 attention over the cache's decoded keys and values, its held
+    decode tokens as they came (the decode kernel reads them unquantized;
+    run on 2026-11-23, the check compared with them encoded)."""
+    n = cache.n_held
+    if n:
+        held = [
+            x[:, :, :n].astype(mx.float32) for x in (cache.held_keys, cache.held_values)
+        ]
+        for i, mean in enumerate((cache.key_mean, cache.value_mean)):
+            if mean is not None:
+                held[i] = held[i] + mean
+    keys, values = cache.dequantize(mx.float32)  # (encodes the held tokens)
+    if n:
+        keys = mx.concatenate([keys[:, :, :-n], held[0]], axis=2)
+        values = mx.concatenate([values[:, :, :-n], held[1]], axis=2)
     B, n_q, L, D = queries.shape
     n_kv = keys.shape[1]
     q = queries.astype(mx.float32).reshape(B, n_kv, n_q // n_kv * L, D)
@@ -120,13 +133,14 @@ def check_attention(rows):
             out = cache.scaled_dot_product_attention(
                 q, cache.key_pages, cache.value_pages, scale, mask
             )
+            # (before the ops path, which encodes the held tokens first)
+            ref = reference(q, cache, scale, mask)
             ops = None
             if L == 1:  # (the ops path's prefill is slow over many pages)
                 with codebook_kernel.disabled():
                     ops = cache.scaled_dot_product_attention(
                         q, cache.key_pages, cache.value_pages, scale, mask
                     )
-            ref = reference(q, cache, scale, mask)
             rows.append(
                 {
                     "check": "attention",
