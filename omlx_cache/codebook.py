@@ -6,7 +6,8 @@ b-bit index into a Lloyd-Max codebook. A rotated unit vector's coordinates
 are close to N(0, 1/D) whatever the input, so one fixed codebook (the
 Lloyd-Max levels of a unit Gaussian, scaled by 1/sqrt(D)) fits every head and
 layer without calibration. Indices are packed densely (32 three-bit indices
-in 3 uint32 words), so an element costs b + 16/D bits: 3.125 at D = 128.
+in 3 uint32 words, as sign and magnitude for the CUDA kernels of
+``codebook_kernel``), so an element costs b + 16/D bits: 3.125 at D = 128.
 
 The cache is paged like mlx-lm's ``QuantizedKVCache``: vectors are encoded
 once, as they arrive, into pages allocated once and written in place. It
@@ -138,10 +139,28 @@ def givens_rotate(x: mx.array, inverse: bool = False) -> mx.array:
     return out.reshape(x.shape).astype(x.dtype)
 
 
+@lru_cache
+def _hadamard(dim: int, dtype) -> mx.array | None:
+    """The normalised Hadamard matrix (Sylvester's order) for a power of two,
+    built on the host: ``kv_rotation_matrix`` checks its matrix's
+    orthogonality on the default device, and on CUDA (TF32 matmuls) that check
+    fails at 128 and it returns its random fallback instead, which the CUDA
+    kernels (``codebook_kernel``) do not compute."""
+    if dim & (dim - 1):
+        return None
+    i = np.arange(dim)
+    signs = (np.bitwise_count(i[:, None] & i[None]) % 2).astype(np.float64)
+    return mx.array((1 - 2 * signs) / np.sqrt(dim), dtype)
+
+
 def rotate(x: mx.array, rotation: str, inverse: bool = False) -> mx.array:
     """Apply the named orthogonal rotation to the last axis of ``x`` (or undo it)."""
     if rotation == "hadamard":
-        return kv_rotate(x, inverse=inverse)
+        matrix = _hadamard(x.shape[-1], x.dtype)
+        if matrix is None:
+            return kv_rotate(x, inverse=inverse)
+        # symmetric and orthogonal: its own inverse
+        return x @ matrix
     if rotation == "givens":
         return givens_rotate(x, inverse=inverse)
     return x
@@ -185,6 +204,32 @@ def _layout(bits: int):
     }
 
 
+def sign_magnitude_3bit():
+    """Where element r (0..31) of a block of 32 three-bit indices lies in the
+    block's 3 words: (magnitude word, magnitude shift, sign shift); word 2
+    holds the signs. The index's sign is ``idx >= 4`` and its magnitude (two
+    bits) counts levels away from zero. Two elements four apart share a pair
+    of bytes (shifts 16 kk + 2 j and 16 kk + 8 + 2 j) and have their signs at
+    bits P and P + 16, so that a decoder makes a pair of halves from one
+    shift-and-mask, one byte permute and one shift (``codebook_kernel``)."""
+    r = np.arange(32)
+    mw, h = r // 16, r % 16
+    k, j = h // 4, h % 4
+    pair = mw * 8 + (k // 2) * 4 + j
+    return mw, 8 * k + 2 * j, pair + 16 * (k % 2)
+
+
+@lru_cache
+def _layout3():
+    mw, mag_shift, sign_shift = sign_magnitude_3bit()
+    return {
+        "mag_word": mx.array(mw, mx.uint32),
+        "mag_shift": mx.array(mag_shift, mx.uint32),
+        "sign_shift": mx.array(sign_shift, mx.uint32),
+        "to_word": mx.array(np.arange(2) == mw[:, None], mx.uint32),
+    }
+
+
 def packed_dim(dim: int, bits: int) -> int:
     """uint32 words holding ``dim`` indices of ``bits`` bits."""
     per = _layout(bits)["per"]
@@ -195,7 +240,11 @@ def packed_dim(dim: int, bits: int) -> int:
 
 def pack(indices: mx.array, bits: int) -> mx.array:
     """Pack the last axis of ``indices`` (each < 2**bits) into uint32 words with
-    no unused bit: (..., D) -> (..., D * bits / 32)."""
+    no unused bit: (..., D) -> (..., D * bits / 32). Three-bit indices are
+    stored as sign and magnitude (``sign_magnitude_3bit``), other widths
+    densely in order, an index spilling into the next word where it must."""
+    if bits == 3:
+        return _pack3(indices)
     lay = _layout(bits)
     dim = indices.shape[-1]
     words = packed_dim(dim, bits)
@@ -209,6 +258,8 @@ def pack(indices: mx.array, bits: int) -> mx.array:
 
 def unpack(packed: mx.array, bits: int) -> mx.array:
     """The uint32 indices that ``pack`` packed: (..., W) -> (..., W * 32 / bits)."""
+    if bits == 3:
+        return _unpack3(packed)
     lay = _layout(bits)
     words = packed.shape[-1]
     blocks = packed.reshape(*packed.shape[:-1], words // lay["words"], lay["words"])
@@ -216,6 +267,30 @@ def unpack(packed: mx.array, bits: int) -> mx.array:
     high = (mx.take(blocks, lay["next"], axis=-1) << lay["back"]) * lay["spill"]
     indices = (low | high) & ((1 << bits) - 1)
     return indices.reshape(*packed.shape[:-1], words * 32 // bits)
+
+
+def _pack3(indices: mx.array) -> mx.array:
+    lay = _layout3()
+    dim = indices.shape[-1]
+    words = packed_dim(dim, 3)
+    blocks = indices.astype(mx.uint32).reshape(-1, dim // 32, 32)
+    sign = blocks >> 2
+    # magnitude: 0 for the levels next to zero, 3 for the outermost
+    magnitude = (blocks & 3) ^ ((sign ^ 1) * 3)
+    mags = ((magnitude << lay["mag_shift"])[..., None] * lay["to_word"]).sum(axis=-2)
+    signs = (sign << lay["sign_shift"]).sum(axis=-1, keepdims=True)
+    out = mx.concatenate([mags, signs], axis=-1)
+    return out.reshape(*indices.shape[:-1], words)
+
+
+def _unpack3(packed: mx.array) -> mx.array:
+    lay = _layout3()
+    words = packed.shape[-1]
+    blocks = packed.reshape(*packed.shape[:-1], words // 3, 3)
+    mags = mx.take(blocks, lay["mag_word"], axis=-1) >> lay["mag_shift"]
+    sign = (blocks[..., 2:3] >> lay["sign_shift"]) & 1
+    indices = (sign << 2) | ((mags & 3) ^ ((sign ^ 1) * 3))
+    return indices.reshape(*packed.shape[:-1], words * 32 // 3)
 
 
 # ---------------------------------------------------------------------------
@@ -275,6 +350,10 @@ class Codebook:
 
     def encode(self, x: mx.array):
         """(packed indices, float16 norms) of the vectors on the last axis."""
+        from . import codebook_kernel
+
+        if codebook_kernel.encodes(x, self):
+            return codebook_kernel.encode(x, self)
         dim = x.shape[-1]
         x = rotate(x.astype(mx.float32), self.rotation)
         length = mx.sqrt((x * x).sum(axis=-1, keepdims=True))
@@ -498,6 +577,35 @@ class _CodebookKV(_Centering, _PagedKV):
     (``omlx_cache.center``)."""
 
     page_size = 4096
+    # Decode tokens held unquantized for the CUDA decode kernel, as patch
+    # 0009's ``QuantizedKVCache.decode_buffer``: a step writes two slices
+    # instead of encoding keys and values and writing four. They are centered
+    # like the stored tokens but not rotated, and encoded into the pages when
+    # the buffer fills and before anything else reads the pages. None: 32
+    # where the kernel runs (``codebook_kernel.holds``), else none.
+    decode_buffer = None
+    held_keys = held_values = None
+    n_held = 0
+
+    def _flush(self):
+        """Encode the held tokens into the pages."""
+        n = self.n_held
+        if not n:
+            return
+        self.n_held = 0
+        keys, values = (x[:, :, :n] for x in (self.held_keys, self.held_values))
+        start = self._length() - n
+        self._write_pages(keys, values, start, self.page_size, transformed=True)
+
+    def _quantize_transformed(self, keys, values):
+        # held tokens: already centered
+        return self.key_codec.encode(keys), self.value_codec.encode(values)
+
+    @property
+    def _held_nbytes(self):
+        if self.held_keys is None:
+            return 0
+        return self.held_keys.nbytes + self.held_values.nbytes
 
     def _set_codecs(self, keys, values=None, page_size=None, center=""):
         self.key_codec = codec(keys)
@@ -545,6 +653,7 @@ class _CodebookKV(_Centering, _PagedKV):
     def keys_and_values(self):
         """The encoded keys and values up to the length, as one tuple each (a
         copy when the cache has more than one page)."""
+        self._flush()
         return tuple(
             tuple(x[..., : self._length(), :] for x in self._joined(pages))
             for pages in (self.key_pages, self.value_pages)
@@ -567,17 +676,30 @@ class _CodebookKV(_Centering, _PagedKV):
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
-        out = codebook_scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
-            self.key_codec,
-            self.value_codec,
-            scale=scale,
-            mask=mask,
-            sinks=self._center_sinks(queries, scale, sinks),
-            length=self._length(),
+        from . import codebook_kernel
+
+        sinks = self._center_sinks(queries, scale, sinks)
+        codecs = (self.key_codec, self.value_codec)
+        held = None
+        if self.n_held:
+            held = (self.held_keys, self.held_values, self.n_held)
+        # CUDA kernels where they apply (codebook_kernel), else MLX ops
+        length = self._length() - self.n_held
+        out = codebook_kernel.attention(
+            queries, keys, values, *codecs, scale, mask, sinks, length, held
         )
+        if out is None:
+            self._flush()
+            out = codebook_scaled_dot_product_attention(
+                queries,
+                keys,
+                values,
+                *codecs,
+                scale=scale,
+                mask=mask,
+                sinks=sinks,
+                length=self._length(),
+            )
         return self._uncenter(out)
 
     def _set_state(
@@ -620,7 +742,7 @@ class _CodebookKV(_Centering, _PagedKV):
 
     @property
     def nbytes(self):
-        return self._pages_nbytes + self._means_nbytes
+        return self._pages_nbytes + self._means_nbytes + self._held_nbytes
 
     def empty(self):
         return not self.key_pages
@@ -653,14 +775,44 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
     def update_and_fetch(self, keys, values):
         if self.empty():
             self._check_dims(keys, values)
+        elif keys.shape[2] == 1 and self._hold(keys, values):
+            return self.key_pages, self.value_pages
+        self._flush()
         self._write_pages(keys, values, self.offset, self.page_size)
         self.offset += keys.shape[2]
         return self.key_pages, self.value_pages
+
+    def _hold(self, keys, values) -> bool:
+        """Hold a decode token unquantized if the buffer is on (True)."""
+        from . import codebook_kernel
+
+        size = self.decode_buffer
+        if size is None:
+            codecs = (self.key_codec, self.value_codec)
+            size = 32 if codebook_kernel.holds(keys, values, *codecs) else 0
+        if not size:
+            return False
+        B, n_kv_heads, _, dim = keys.shape
+        shape = (B, n_kv_heads, size, dim)
+        if self.held_keys is None or self.held_keys.shape != shape:
+            self._flush()
+            self.held_keys = mx.zeros(shape, keys.dtype)
+            self.held_values = mx.zeros((*shape[:3], values.shape[-1]), values.dtype)
+        keys, values = self._center(keys, values)
+        n = self.n_held
+        self.held_keys[:, :, n : n + 1] = keys
+        self.held_values[:, :, n : n + 1] = values
+        self.n_held += 1
+        self.offset += 1
+        if self.n_held == size:
+            self._flush()
+        return True
 
     def size(self):
         return self.offset
 
     def trim(self, n):
+        self._flush()
         n = min(self.offset, n)
         self.offset -= n
         return n
@@ -670,6 +822,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
 
     @property
     def state(self):
+        self._flush()
         return (
             self._pages_state(self.key_pages),
             self._pages_state(self.value_pages),
@@ -685,6 +838,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         keys, values, offset, *settings = v
         self._set_state(keys, values, offset, *settings)
         self.offset = int(offset)
+        self.n_held = 0
 
     @classmethod
     def merge(cls, caches):

@@ -6,7 +6,11 @@ time to the first token (prefill) and decode tokens/s after it, per KV
 scheme, side by side in one process. Schemes: ``fp16`` or ``B`` / ``KB,VB``
 (``kv_bits``, quantized from the first token); ``/h0`` quantizes each decode
 token as it comes (``QuantizedKVCache.decode_buffer = 0``), ``/r0`` leaves
-the cache unreserved (pages of 4,096 tokens as they fill).
+the cache unreserved (pages of 4,096 tokens as they fill). ``codebook-...``
+names (``omlx_cache.schemes``, e.g. ``codebook-3``, ``codebook-3k-4v``) build
+``CodebookKVCache``s whose first page holds what ``generate_step`` reserves
+for a quantized cache (the prompt plus at most 4,096 new tokens; ``/r0``:
+pages of 4,096 tokens).
 
     python3 scripts/gpu/generate_speed.py --contexts 32768 --schemes fp16 8,4 8,4/r0 \\
         --out $OUT/generate-speed.json
@@ -23,13 +27,15 @@ from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from omlx_cache import bench
+from omlx_cache.codebook import CodebookKVCache
+from omlx_cache.schemes import get_scheme
 
 
 def parse(name: str):
     """(kv_bits or None, decode_buffer or None, reserve or None)."""
     base, *options = name.split("/")
     bits = None
-    if base != "fp16":
+    if base != "fp16" and not base.startswith("codebook"):
         bits = tuple(int(b) for b in base.split(","))
         bits = bits if len(bits) == 2 else bits[0]
     held = 0 if "h0" in options else None
@@ -43,10 +49,18 @@ def parse(name: str):
 def run(model, name, context, tokens, vocab):
     bits, held, reserve = parse(name)
     prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
-    cache = make_prompt_cache(model, kv_bits=bits)
-    if reserve is not None:
+    if name.startswith("codebook"):
+        cache = get_scheme(name.split("/")[0]).make_cache(model)
         for c in cache:
-            c.reserve = reserve
+            if reserve == 0:
+                c.page_size = CodebookKVCache.page_size
+            else:
+                c.page_size = context + min(tokens, 4096)
+    else:
+        cache = make_prompt_cache(model, kv_bits=bits)
+        if reserve is not None:
+            for c in cache:
+                c.reserve = reserve
     mx.clear_cache()
     mx.reset_peak_memory()
     times = []
@@ -72,7 +86,7 @@ def run(model, name, context, tokens, vocab):
         # loop's steps alternate long and short
         "decode_tok_s_all_steps": len(steps) / (times[-1] - times[0]),
         "pages": len(cache[0].key_pages)
-        if isinstance(cache[0], QuantizedKVCache)
+        if isinstance(cache[0], (QuantizedKVCache, CodebookKVCache))
         else None,
         "peak_gib": mx.get_peak_memory() / 2**30,
     }
@@ -109,10 +123,20 @@ def main():
         )
     rows = []
     for context in bench.int_list(opts.contexts):
-        fp16 = None
+        fp16 = affine4 = None
         for name in opts.schemes:
             row = run(model, name, context, opts.tokens, vocab)
             fp16 = row if name == "fp16" else fp16
+            affine4 = row if name == "4" else affine4
+            if affine4:
+                # against affine 4-bit (patch 0011's kernel), in this process
+                row["decode_vs_4"] = row["decode_tok_s"] / affine4["decode_tok_s"]
+                row["decode_all_steps_vs_4"] = (
+                    row["decode_tok_s_all_steps"] / affine4["decode_tok_s_all_steps"]
+                )
+                row["first_token_vs_4"] = (
+                    row["first_token_s"] / affine4["first_token_s"]
+                )
             for key, key_vs in (
                 ("decode_tok_s", "decode_vs_fp16"),
                 ("decode_tok_s_all_steps", "decode_all_steps_vs_fp16"),
@@ -125,6 +149,12 @@ def main():
                     f" ({row['decode_vs_fp16']:.2f}x fp16; all steps "
                     f"{row['decode_tok_s_all_steps']:.1f} tok/s, "
                     f"{row['decode_all_steps_vs_fp16']:.2f}x)"
+                )
+            if affine4:
+                ratio += (
+                    f" [vs 4: decode {row['decode_vs_4']:.2f}x, all steps "
+                    f"{row['decode_all_steps_vs_4']:.2f}x, first token "
+                    f"{row['first_token_vs_4']:.2f}x]"
                 )
             print(
                 f"{context:>7} {name:<8} first token {row['first_token_s']:.3f} s, "

@@ -1,0 +1,1202 @@
+"""CUDA kernels for ``CodebookKVCache``: encode, decode attention, prefill.
+
+Three ``mx.fast.cuda_kernel``s (and a combine step) stand in for the MLX ops
+of ``omlx_cache.codebook`` where they apply (CUDA, compute capability 8.0 or
+later, 3- or 4-bit ``Codebook`` codecs with a Hadamard rotation or none, head
+dims 64, 128 and 256); the ops path stays the fallback everywhere else and the
+reference in the tests.
+
+- ``encode``: a warp per vector rotates it (a fast Walsh-Hadamard transform in
+  registers and shuffles), takes its length, finds each coordinate's
+  Lloyd-Max cell, computes the stored norm (``dot``, ``length`` or ``plain``)
+  and packs the indices with warp-wide ORs: one launch instead of about
+  twenty MLX ops per tensor.
+- ``decode_attention`` (one query token per sequence): patch 0011's
+  structure (``mlx_lm.models.quantized_decode``) over codebook pages. A block
+  takes a span of one page's keys; a warp scores 16 keys at a time against
+  the KV head's query heads on tensor cores (``mma.sync`` m16n8k16, halves
+  in, float32 out) and adds their values with a second ``mma``. Indices
+  become halves in registers: the magnitudes of a pair of elements select
+  their two halves from a table of the positive levels in two registers
+  (one byte permute), the sign bits are XORed in (3-bit: ``codebook``'s
+  sign-magnitude layout; 4-bit: two permutes and a select). The norms are not
+  multiplied into the levels: a key's score is scaled by its norm, and a
+  value's norm is folded into its probabilities. Queries are rotated in the
+  kernel, scores and the online softmax are float32, and the combine kernel
+  rotates the output back. Masks as in patch 0011 (one row of keys per
+  sequence: batched decode with left padding).
+- ``prefill_attention`` (more than one query): the cache's keys and values
+  decoded to the queries' dtype by a kernel (a warp per vector: levels times
+  norm, rotated back) and ``mx.fast.scaled_dot_product_attention`` over them.
+  The decoded copy is transient (one layer's keys and values).
+"""
+
+import contextlib
+import functools
+import struct
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import quantized_decode as qd
+
+from .codebook import Codebook, lloyd_max
+
+WARPS = 4
+COMBINE_WARPS = 8
+MAX_PAGES = 32
+ENCODE_WARPS = 4
+
+
+def _half_bits(x) -> int:
+    return int(np.array(x, np.float16).view(np.uint16))
+
+
+def _pairs(values) -> list[int]:
+    """uint32 words of two halves each (low half first)."""
+    return [
+        _half_bits(values[i]) | (_half_bits(values[i + 1]) << 16)
+        for i in range(0, len(values), 2)
+    ]
+
+
+def _floats(values) -> str:
+    return ", ".join(f"{float(np.float32(v))!r}f" for v in values)
+
+
+@functools.cache
+def _header() -> str:
+    lv3, lv4 = (np.array(lloyd_max(b)[0]) for b in (3, 4))
+    thr3, thr4 = ((lv[1:] + lv[:-1]) / 2 for lv in (lv3, lv4))
+    # positive levels by magnitude: 0 next to zero
+    t3, t4 = _pairs(lv3[4:]), _pairs(lv4[8:])
+    return f"""
+// Lloyd-Max levels of a unit Gaussian: positive ones as pairs of halves (a
+// byte permute picks two of them), all of them and the cell edges in float
+#define CB3_LO {t3[0]}u
+#define CB3_HI {t3[1]}u
+#define CB4_0 {t4[0]}u
+#define CB4_1 {t4[1]}u
+#define CB4_2 {t4[2]}u
+#define CB4_3 {t4[3]}u
+__constant__ float CB_LEVELS3[8] = {{{_floats(lv3)}}};
+__constant__ float CB_LEVELS4[16] = {{{_floats(lv4)}}};
+__constant__ float CB_EDGES3[7] = {{{_floats(thr3)}}};
+__constant__ float CB_EDGES4[15] = {{{_floats(thr4)}}};
+
+__device__ __forceinline__ void mma_16x8x16(
+    float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {{
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+      "{{%0,%1,%2,%3}}, {{%4,%5,%6,%7}}, {{%8,%9}}, {{%0,%1,%2,%3}};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}}
+
+__device__ __forceinline__ uint32_t h2_bits(__half2 x) {{
+  return *reinterpret_cast<uint32_t*>(&x);
+}}
+
+// 3-bit: magnitudes of elements a and b at bits 0-1 and 8-9 of x, ones where
+// the element is negative at bits 15 and 31 of neg: the pair of halves
+__device__ __forceinline__ uint32_t cb3_pair(uint32_t x, uint32_t neg) {{
+  return __byte_perm(CB3_LO, CB3_HI, x * 0x22u + 0x1010u) ^ neg;
+}}
+
+// 4-bit: indices of elements a and b at bits 0-3 and 16-19 of t
+__device__ __forceinline__ uint32_t cb4_pair(uint32_t t) {{
+  const uint32_t flip = ((~t >> 3) & 0x00010001u) * 7u;
+  const uint32_t mag = (t & 0x00070007u) ^ flip;
+  const uint32_t low = mag & 0x00030003u;
+  const uint32_t sel = ((low | (low >> 8)) & 0x0303u) * 0x22u + 0x1010u;
+  const uint32_t lo = __byte_perm(CB4_0, CB4_1, sel);
+  const uint32_t hi = __byte_perm(CB4_2, CB4_3, sel);
+  const uint32_t mask = ((mag >> 2) & 0x00010001u) * 0xFFFFu;
+  return ((lo & ~mask) | (hi & mask)) ^ ((~t << 12) & 0x80008000u);
+}}
+
+// the sign bit (1: negative) at bit 15 and 31 from sign words' bits
+__device__ __forceinline__ uint32_t neg_bits(uint32_t z, int shift) {{
+  return ~(z << shift) & 0x80008000u;
+}}
+
+// a fast Walsh-Hadamard transform (unnormalized, Sylvester order) of a
+// warp's vector, element i * 32 + lane in v[i]
+template <int E>
+__device__ __forceinline__ void fwht_warp(float (&v)[E], int lane) {{
+  #pragma unroll
+  for (int h = 1; h < E; h <<= 1) {{
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {{
+      if ((i & h) == 0) {{
+        const float a = v[i];
+        const float b = v[i + h];
+        v[i] = a + b;
+        v[i + h] = a - b;
+      }}
+    }}
+  }}
+  #pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {{
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {{
+      const float o = __shfl_xor_sync(0xffffffff, v[i], m);
+      v[i] = (lane & m) ? o - v[i] : v[i] + o;
+    }}
+  }}
+}}
+
+// 3-bit rows: the word with the magnitudes of half-block h (16 elements)
+__device__ __forceinline__ int mag_word3(int h) {{
+  return (h >> 1) * 3 + (h & 1);
+}}
+"""
+
+
+_ENCODE_SOURCE = """
+    // a warp per vector: element i * 32 + lane in v[i]
+    constexpr int E = D / 32;
+    constexpr int W = D * BITS / 32;
+    const int lane = threadIdx.x & 31;
+    const size_t n_vectors = x_shape[0] * x_shape[1] * x_shape[2];
+    const size_t vec = (size_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (vec >= n_vectors) {
+        return;
+    }
+    float v[E];
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        v[i] = static_cast<float>(x[vec * D + i * 32 + lane]);
+    }
+    if (ROT) {
+        fwht_warp<E>(v, lane);
+        const float r = 1.f / sqrtf((float)D);
+        #pragma unroll
+        for (int i = 0; i < E; ++i) {
+            v[i] *= r;
+        }
+    }
+    float sq = 0.f;
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        sq += v[i] * v[i];
+    }
+    #pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+        sq += __shfl_xor_sync(0xffffffff, sq, m);
+    }
+    const float length = sqrtf(sq);
+    const float sqrt_d = sqrtf((float)D);
+    const float safe = fmaxf(length, 1e-30f);
+    int idx[E];
+    float dot = 0.f;
+    float dec_sq = 0.f;
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const float unit = v[i] / safe;
+        const float z = unit * sqrt_d;
+        int c = 0;
+        if (BITS == 3) {
+            #pragma unroll
+            for (int t = 0; t < 7; ++t) {
+                c += z > CB_EDGES3[t];
+            }
+        } else {
+            #pragma unroll
+            for (int t = 0; t < 15; ++t) {
+                c += z > CB_EDGES4[t];
+            }
+        }
+        idx[i] = c;
+        const float level = (BITS == 3 ? CB_LEVELS3[c] : CB_LEVELS4[c]) / sqrt_d;
+        dot += unit * level;
+        dec_sq += level * level;
+    }
+    #pragma unroll
+    for (int m = 16; m > 0; m >>= 1) {
+        dot += __shfl_xor_sync(0xffffffff, dot, m);
+        dec_sq += __shfl_xor_sync(0xffffffff, dec_sq, m);
+    }
+    // NORM 0: dot, 1: length, 2: plain
+    float norm = length;
+    if (NORM == 0) {
+        norm = length / fmaxf(dot, 1e-30f);
+    } else if (NORM == 1) {
+        norm = length / fmaxf(sqrtf(dec_sq), 1e-30f);
+    }
+    norm = fminf(norm, 65504.f);
+    uint32_t* out = packed + vec * W;
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        const uint32_t c = idx[i];
+        if (BITS == 3) {
+            // codebook.sign_magnitude_3bit
+            const int mw = lane >> 4;
+            const int k = (lane & 15) >> 2;
+            const int j = lane & 3;
+            const uint32_t sign = c >> 2;
+            const uint32_t mag = (c & 3u) ^ ((sign ^ 1u) * 3u);
+            const uint32_t m = mag << (8 * k + 2 * j);
+            const uint32_t s = sign << (mw * 8 + (k >> 1) * 4 + j + 16 * (k & 1));
+            const uint32_t m0 = __reduce_or_sync(0xffffffff, mw == 0 ? m : 0u);
+            const uint32_t m1 = __reduce_or_sync(0xffffffff, mw == 1 ? m : 0u);
+            const uint32_t sw = __reduce_or_sync(0xffffffff, s);
+            if (lane == 0) {
+                out[3 * i] = m0;
+                out[3 * i + 1] = m1;
+                out[3 * i + 2] = sw;
+            }
+        } else {
+            // eight indices per word, in order
+            #pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                const uint32_t word = __reduce_or_sync(
+                    0xffffffff, (lane >> 3) == w ? c << (4 * (lane & 7)) : 0u);
+                if (lane == 0) {
+                    out[4 * i + w] = word;
+                }
+            }
+        }
+    }
+    if (lane == 0) {
+        norms[vec] = __float2half_rn(norm);
+    }
+"""
+
+
+_DEQUANT_SOURCE = """
+    // a warp per vector: levels times norm, rotated back
+    constexpr int E = D / 32;
+    constexpr int W = D * BITS / 32;
+    const int lane = threadIdx.x & 31;
+    const size_t n_vectors = packed_shape[0] * packed_shape[1] * packed_shape[2];
+    const size_t vec = (size_t)blockIdx.x * (blockDim.x / 32) + (threadIdx.x >> 5);
+    if (vec >= n_vectors) {
+        return;
+    }
+    const uint32_t* row = packed + vec * W;
+    const float scale = static_cast<float>(norms[vec]) / sqrtf((float)D);
+    float v[E];
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        float level;
+        if (BITS == 3) {
+            const int mw = lane >> 4;
+            const int k = (lane & 15) >> 2;
+            const int j = lane & 3;
+            const uint32_t mag = (row[3 * i + mw] >> (8 * k + 2 * j)) & 3u;
+            const uint32_t sign =
+                (row[3 * i + 2] >> (mw * 8 + (k >> 1) * 4 + j + 16 * (k & 1))) & 1u;
+            level = CB_LEVELS3[sign ? 4 + mag : 3 - mag];
+        } else {
+            const uint32_t c = (row[4 * i + (lane >> 3)] >> (4 * (lane & 7))) & 15u;
+            level = CB_LEVELS4[c];
+        }
+        v[i] = level * scale;
+    }
+    if (ROT) {
+        fwht_warp<E>(v, lane);
+        const float r = 1.f / sqrtf((float)D);
+        #pragma unroll
+        for (int i = 0; i < E; ++i) {
+            v[i] *= r;
+        }
+    }
+    #pragma unroll
+    for (int i = 0; i < E; ++i) {
+        out[vec * D + i * 32 + lane] = static_cast<O>(v[i]);
+    }
+"""
+
+
+_DECODE_SOURCE = """
+    // patch 0011's decode kernel over codebook pages: 16 keys at a time on
+    // tensor cores against the (up to 8) query heads of a KV head. A lane
+    // holds the fragments of mma.sync's layout: "quad" (lane / 4) picks rows,
+    // "pos" (lane % 4) columns. The order of dimensions inside a dot product
+    // is free: a lane takes a contiguous quarter of a key row (D / 4 dims) and
+    // an eighth of a value row, in the order their codes unpack in.
+    constexpr int KC = D / 4;                    // a lane's dims of a key row
+    constexpr int STEPS = D / 16;                // mma steps over the head dim
+    constexpr int VC = D / 8;                    // a lane's dims of a value row
+    constexpr int KW = D * KB / 32;              // words per key row
+    constexpr int VW = D * VB / 32;              // and per value row
+    constexpr int KHB = KC / 16;                 // 3-bit: half-blocks per lane,
+    constexpr int KSW = KHB > 1 ? KHB / 2 : 1;   // their sign words
+    constexpr int KL = KB == 3 ? KHB + KSW : KC / 8;   // a lane's words of a key
+    constexpr int VMW = VC >= 16 ? VC / 16 : 1;
+    constexpr int VL = VB == 3 ? VMW + 1 : (VC >= 8 ? VC / 8 : 1);
+    const float neg_inf = __int_as_float(0xff800000);
+    const int lane = threadIdx.x & 31;
+    const int quad = lane >> 2;
+    const int pos = lane & 3;
+    const int warp = threadIdx.x >> 5;
+    const int bh = blockIdx.y;
+    const int span = meta[3 * NP];
+    const int splits = meta[3 * NP + 1];
+    const int mask_keys = mask_shape[3];
+    const float inv_sqrt_d = 1.f / sqrtf((float)D);
+    const float scale = __int_as_float(meta[3 * NP + 2]);
+
+    // the first block takes the held (unquantized, unrotated) decode tokens,
+    // if any, on CUDA cores: a warp per query head, a lane D / 32 dims; they
+    // follow the pages' keys, but it starts first so as not to run alone at
+    // the end. Its weighted values are rotated like the pages' (RV).
+    const int n_held = held_count[0];
+    if (n_held > 0 && blockIdx.x == 0) {
+        int stored = 0;
+        for (int i = 0; i < NP; ++i) {
+            stored = max(stored, meta[2 * NP + i] + meta[i]);
+        }
+        const auto mask_held = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0) + stored;
+        const int buffer = held_keys_shape[2];
+        const size_t part = (size_t)bh * gridDim.x;
+        for (int g = warp; g < G; g += WARPS) {
+            const auto q_src = queries + ((size_t)bh * G + g) * D;
+            float q[D / 32];
+            float acc[D / 32];
+            #pragma unroll
+            for (int i = 0; i < D / 32; ++i) {
+                q[i] = static_cast<float>(q_src[i * 32 + lane]) * scale;
+                acc[i] = 0.f;
+            }
+            float m = neg_inf;
+            float l = 0.f;
+            // four keys at a time, their rows loaded before any is used
+            for (int k0 = 0; k0 < n_held; k0 += 4) {
+                float hk[4][D / 32];
+                float hv[4][D / 32];
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int k = min(k0 + u, n_held - 1);
+                    const size_t row = ((size_t)bh * buffer + k) * D;
+                    #pragma unroll
+                    for (int i = 0; i < D / 32; ++i) {
+                        hk[u][i] = static_cast<float>(held_keys[row + i * 32 + lane]);
+                        hv[u][i] = static_cast<float>(held_values[row + i * 32 + lane]);
+                    }
+                }
+                float s[4];
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    s[u] = 0.f;
+                    #pragma unroll
+                    for (int i = 0; i < D / 32; ++i) {
+                        s[u] += q[i] * hk[u][i];
+                    }
+                }
+                #pragma unroll
+                for (int o_ = 16; o_ > 0; o_ >>= 1) {
+                    #pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        s[u] += __shfl_xor_sync(0xffffffff, s[u], o_);
+                    }
+                }
+                #pragma unroll
+                for (int u = 0; u < 4; ++u) {
+                    const int k = k0 + u;
+                    if (k >= n_held) {
+                        break;
+                    }
+                    if (MASK == 1 && !static_cast<bool>(mask_held[k])) {
+                        continue;
+                    }
+                    const float sk = MASK == 2 ? s[u] + static_cast<float>(mask_held[k]) : s[u];
+                    const float m_new = fmaxf(m, sk);
+                    const float correction = __expf(m - m_new);
+                    const float p = __expf(sk - m_new);
+                    l = l * correction + p;
+                    #pragma unroll
+                    for (int i = 0; i < D / 32; ++i) {
+                        acc[i] = acc[i] * correction + p * hv[u][i];
+                    }
+                    m = m_new;
+                }
+            }
+            if (RV) {
+                fwht_warp<D / 32>(acc, lane);
+                #pragma unroll
+                for (int i = 0; i < D / 32; ++i) {
+                    acc[i] *= inv_sqrt_d;
+                }
+            }
+            #pragma unroll
+            for (int i = 0; i < D / 32; ++i) {
+                out_values[(part * G + g) * D + i * 32 + lane] = acc[i];
+            }
+            if (lane == 0) {
+                out_max[part * G + g] = m;
+                out_sum[part * G + g] = l;
+            }
+        }
+        return;
+    }
+    const int block = blockIdx.x - (n_held > 0);
+    const int page = block / splits;
+    const int page_size = meta[NP + page];
+    const int page_offset = meta[2 * NP + page];
+    const int first = (block % splits) * span;
+    const int last = min(first + span, meta[page]);
+    const auto mask_row = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0) + page_offset;
+
+    PAGE_POINTERS
+
+    __shared__ float q_s[G][D];
+    __shared__ float warp_max[WARPS][G];
+    __shared__ float warp_sum[WARPS][G];
+    __shared__ float warp_acc[WARPS][G][D];
+
+    // the queries, rotated (RK) and scaled, once per block
+    for (int g = warp; g < G; g += WARPS) {
+        float v[D / 32];
+        const auto q_src = queries + ((size_t)bh * G + g) * D;
+        #pragma unroll
+        for (int i = 0; i < D / 32; ++i) {
+            v[i] = static_cast<float>(q_src[i * 32 + lane]);
+        }
+        float r = scale;
+        if (RK) {
+            fwht_warp<D / 32>(v, lane);
+            r *= inv_sqrt_d;
+        }
+        #pragma unroll
+        for (int i = 0; i < D / 32; ++i) {
+            q_s[g][i * 32 + lane] = v[i] * r;
+        }
+    }
+    __syncthreads();
+
+    // the B operand: head quad, dims a (low half) and a + 4 of pair p
+    uint32_t q_frag[STEPS][2];
+    #pragma unroll
+    for (int p = 0; p < 2 * STEPS; ++p) {
+        const int a = pos * KC + 8 * (p / 4) + p % 4;
+        const float q0 = quad < G ? q_s[quad % G][a] : 0.f;
+        const float q1 = quad < G ? q_s[quad % G][a + 4] : 0.f;
+        q_frag[p / 2][p % 2] = h2_bits(__floats2half2_rn(q0, q1));
+    }
+
+    float m_run[2] = {neg_inf, neg_inf};
+    float l_run[2] = {0.f, 0.f};
+    float o[STEPS][4];
+    #pragma unroll
+    for (int i = 0; i < STEPS; ++i) {
+        #pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            o[i][j] = 0.f;
+        }
+    }
+
+    const size_t rows = (size_t)bh * page_size;
+    // the words of a lane's dims in a row
+    auto k_word = [&](int i) {
+        if (KB == 3) {
+            return i < KHB ? mag_word3(pos * KHB + i) : ((pos * KHB) / 2 + i - KHB) * 3 + 2;
+        }
+        return pos * KL + i;
+    };
+    const int v_start = quad * VC;
+    auto v_word = [&](int i) {
+        if (VB == 3) {
+            return i < VMW ? mag_word3(v_start / 16 + i) : (v_start / 32) * 3 + 2;
+        }
+        return (v_start / 8) + i;
+    };
+    // a tile's words and norms, loaded a tile ahead of their use (keys quad
+    // and quad + 8; values 2 pos, 2 pos + 8, 2 pos + 1, 2 pos + 9)
+    struct Tile {
+        uint32_t k[2][KL];
+        float k_norm[2];
+        float v_norm[2];
+        uint32_t v[4][VL];
+    };
+    auto fetch = [&](int tile, Tile& t) {
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int k = tile + quad + 8 * r;
+            const bool ok = k < last;
+            #pragma unroll
+            for (int i = 0; i < KL; ++i) {
+                t.k[r][i] = ok ? k_packed[(rows + k) * KW + k_word(i)] : 0u;
+            }
+            t.k_norm[r] = ok ? static_cast<float>(k_norms[rows + k]) * inv_sqrt_d : 0.f;
+            t.v_norm[r] = ok ? static_cast<float>(v_norms[rows + k]) * inv_sqrt_d : 0.f;
+        }
+        #pragma unroll
+        for (int r = 0; r < 4; ++r) {
+            const int k = tile + 2 * pos + 8 * (r & 1) + (r >> 1);
+            const bool ok = k < last;
+            #pragma unroll
+            for (int i = 0; i < VL; ++i) {
+                t.v[r][i] = ok ? v_packed[(rows + k) * VW + v_word(i)] : 0u;
+            }
+        }
+    };
+    Tile cur;
+    Tile next;
+    if (first + warp * 16 < last) {
+        fetch(first + warp * 16, cur);
+    }
+    for (int tile = first + warp * 16; tile < last; tile += WARPS * 16) {
+        if (tile + WARPS * 16 < last) {
+            fetch(tile + WARPS * 16, next);
+        }
+        const int key[2] = {tile + quad, tile + quad + 8};
+
+        // scores: (key quad, head 2 pos), (quad, 2 pos + 1), (quad + 8, 2 pos),
+        // (quad + 8, 2 pos + 1)
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        #pragma unroll
+        for (int i = 0; i < STEPS; ++i) {
+            uint32_t a_key[2][2];
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                #pragma unroll
+                for (int c = 0; c < 2; ++c) {
+                    const int p = 2 * i + c;
+                    if (KB == 3) {
+                        const int h = p / 8;
+                        const int kk = (p % 8) / 4;
+                        const int j = p % 4;
+                        const int pair = ((pos * KHB + h) & 1) * 8 + kk * 4 + j;
+                        const uint32_t x = (cur.k[r][h] >> (16 * kk + 2 * j)) & 0x0303u;
+                        const uint32_t sw = cur.k[r][KHB + (KHB > 1 ? h / 2 : 0)];
+                        a_key[r][c] = cb3_pair(x, neg_bits(sw, 15 - pair));
+                    } else {
+                        const int w = p / 4;
+                        const int j = p % 4;
+                        a_key[r][c] = cb4_pair((cur.k[r][w] >> (4 * j)) & 0x000F000Fu);
+                    }
+                }
+            }
+            const uint32_t a[4] = {a_key[0][0], a_key[1][0], a_key[0][1], a_key[1][1]};
+            mma_16x8x16(s, a, q_frag[i]);
+        }
+        bool valid[2];
+        #pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            valid[r] = key[r] < last;
+            float added = 0.f;
+            if (MASK == 1 && valid[r]) {
+                valid[r] = static_cast<bool>(mask_row[key[r]]);
+            } else if (MASK == 2 && valid[r]) {
+                added = static_cast<float>(mask_row[key[r]]);
+            }
+            s[2 * r] = valid[r] ? s[2 * r] * cur.k_norm[r] + added : neg_inf;
+            s[2 * r + 1] = valid[r] ? s[2 * r + 1] * cur.k_norm[r] + added : neg_inf;
+        }
+
+        // online softmax over the tile, heads 2 pos and 2 pos + 1
+        float p[4];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            float top = fmaxf(s[h], s[2 + h]);
+            #pragma unroll
+            for (int o_ = 4; o_ < 32; o_ <<= 1) {
+                top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o_));
+            }
+            const float m_new = fmaxf(m_run[h], top);
+            const float correction = m_new == neg_inf ? 1.f : __expf(m_run[h] - m_new);
+            p[h] = valid[0] && m_new > neg_inf ? __expf(s[h] - m_new) : 0.f;
+            p[2 + h] = valid[1] && m_new > neg_inf ? __expf(s[2 + h] - m_new) : 0.f;
+            l_run[h] = l_run[h] * correction + p[h] + p[2 + h];
+            m_run[h] = m_new;
+            #pragma unroll
+            for (int i = 0; i < STEPS; ++i) {
+                o[i][h] *= correction;
+                o[i][2 + h] *= correction;
+            }
+        }
+
+        // the probabilities times the values' norms as the B operand (16
+        // keys by 8 heads): a lane needs head quad of keys 2 pos, 2 pos + 8
+        // (lane 8 pos + quad / 2 has them) and 2 pos + 1, 2 pos + 9 (lane
+        // 8 pos + 4 + quad / 2)
+        const uint32_t p_even = h2_bits(
+            __floats2half2_rn(p[0] * cur.v_norm[0], p[2] * cur.v_norm[1]));
+        const uint32_t p_odd = h2_bits(
+            __floats2half2_rn(p[1] * cur.v_norm[0], p[3] * cur.v_norm[1]));
+        const int src = 8 * pos + quad / 2;
+        const uint32_t e0 = __shfl_sync(0xffffffff, p_even, src);
+        const uint32_t o0 = __shfl_sync(0xffffffff, p_odd, src);
+        const uint32_t e1 = __shfl_sync(0xffffffff, p_even, src + 4);
+        const uint32_t o1 = __shfl_sync(0xffffffff, p_odd, src + 4);
+        const uint32_t p_frag[2] = {quad & 1 ? o0 : e0, quad & 1 ? o1 : e1};
+
+        // values: rows are dims (row quad: dim v_start + 8 (i / 4) + i % 4,
+        // row quad + 8: 4 dims on), columns keys (2 pos, 2 pos + 8 | 2 pos + 1,
+        // 2 pos + 9)
+        #pragma unroll
+        for (int g8 = 0; g8 < VC / 8; ++g8) {
+            // the codes of the group of 8 dims of the two key pairs, their
+            // bytes interleaved so that one shift and mask picks a pair
+            uint32_t y[2];
+            uint32_t z[2];
+            // (compile-time where the lane's dims are whole half-blocks)
+            const int b0 = (((VC >= 16 ? 0 : v_start) + 8 * g8) % 16) / 4;
+            if (VB == 3) {
+                const int m = VC >= 16 ? (8 * g8) / 16 : 0;
+                const int mw = ((v_start + 8 * g8) / 16) & 1;
+                const uint32_t sel = b0 | ((b0 + 4) << 4) | ((b0 + 1) << 8) | ((b0 + 5) << 12);
+                const uint32_t ssel = mw | ((mw + 2) << 4) | ((mw + 4) << 8) | ((mw + 6) << 12);
+                #pragma unroll
+                for (int kp = 0; kp < 2; ++kp) {
+                    y[kp] = __byte_perm(cur.v[2 * kp][m], cur.v[2 * kp + 1][m], sel);
+                    z[kp] = __byte_perm(cur.v[2 * kp][VMW], cur.v[2 * kp + 1][VMW], ssel);
+                }
+            } else {
+                #pragma unroll
+                for (int kp = 0; kp < 2; ++kp) {
+                    y[kp] = cur.v[2 * kp][g8];
+                    z[kp] = cur.v[2 * kp + 1][g8];
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int i = 4 * g8 + j;
+                uint32_t a[4];
+                #pragma unroll
+                for (int kp = 0; kp < 2; ++kp) {
+                    if (VB == 3) {
+                        const int q = (b0 / 2) * 4 + j;
+                        a[2 * kp] = cb3_pair((y[kp] >> (2 * j)) & 0x0303u, neg_bits(z[kp], 15 - q));
+                        a[2 * kp + 1] = cb3_pair((y[kp] >> (16 + 2 * j)) & 0x0303u, neg_bits(z[kp], 7 - q));
+                    } else {
+                        // nibble j (row quad) and 4 + j (row quad + 8) of two keys
+                        const int b = j / 2;
+                        const int sh = 4 * (j % 2);
+                        const uint32_t w0 = __byte_perm(y[kp], z[kp], b | ((b + 4) << 8));
+                        const uint32_t w1 = __byte_perm(y[kp], z[kp], (b + 2) | ((b + 6) << 8));
+                        a[2 * kp] = cb4_pair((w0 >> sh) & 0x000F000Fu);
+                        a[2 * kp + 1] = cb4_pair((w1 >> sh) & 0x000F000Fu);
+                    }
+                }
+                mma_16x8x16(o[i], a, p_frag);
+            }
+        }
+        cur = next;
+    }
+
+    // the lanes of a head (one per quad) hold parts of its sum
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        #pragma unroll
+        for (int o_ = 4; o_ < 32; o_ <<= 1) {
+            l_run[h] += __shfl_xor_sync(0xffffffff, l_run[h], o_);
+        }
+    }
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int g = 2 * pos + h;
+        if (g < G) {
+            if (quad == 0) {
+                warp_max[warp][g] = m_run[h];
+                warp_sum[warp][g] = l_run[h];
+            }
+            #pragma unroll
+            for (int i = 0; i < STEPS; ++i) {
+                const int d = v_start + 8 * (i / 4) + i % 4;
+                warp_acc[warp][g][d] = o[i][h];
+                warp_acc[warp][g][d + 4] = o[i][2 + h];
+            }
+        }
+    }
+    __syncthreads();
+
+    const size_t part = (size_t)bh * gridDim.x + blockIdx.x;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D;
+        const int d = i % D;
+        float block_max = neg_inf;
+        #pragma unroll
+        for (int w = 0; w < WARPS; ++w) {
+            block_max = fmaxf(block_max, warp_max[w][g]);
+        }
+        float total = 0.f;
+        float weighted = 0.f;
+        if (block_max > neg_inf) {
+            #pragma unroll
+            for (int w = 0; w < WARPS; ++w) {
+                const float weight = __expf(warp_max[w][g] - block_max);
+                total += weight * warp_sum[w][g];
+                weighted += weight * warp_acc[w][g][d];
+            }
+        }
+        out_values[(part * G + g) * D + d] = weighted;
+        if (d == 0) {
+            out_max[part * G + g] = block_max;
+            out_sum[part * G + g] = total;
+        }
+    }
+"""
+
+_COMBINE_SOURCE = """
+    // patch 0011's combine kernel, then the output rotated back (RV)
+    constexpr int E = D / 32;
+    const int rg = blockIdx.x;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int r = rg / G;
+    const int g = rg % G;
+    const int S = part_max_shape[1];
+    const float neg_inf = __int_as_float(0xff800000);
+    __shared__ float reduced[CW];
+    __shared__ float acc_s[CW][D];
+    __shared__ float row_s[D];
+    float top = neg_inf;
+    for (int s = threadIdx.x; s < S; s += CW * 32) {
+        top = fmaxf(top, part_max[(r * S + s) * G + g]);
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
+    }
+    if (lane == 0) {
+        reduced[warp] = top;
+    }
+    __syncthreads();
+    top = neg_inf;
+    #pragma unroll
+    for (int w = 0; w < CW; ++w) {
+        top = fmaxf(top, reduced[w]);
+    }
+    __syncthreads();
+    float total = 0.f;
+    for (int s = threadIdx.x; s < S; s += CW * 32) {
+        const int i = (r * S + s) * G + g;
+        total += __expf(part_max[i] - top) * part_sum[i];
+    }
+    #pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        total += __shfl_xor_sync(0xffffffff, total, o);
+    }
+    if (lane == 0) {
+        reduced[warp] = total;
+    }
+    float acc[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        acc[e] = 0.f;
+    }
+    #pragma unroll 4
+    for (int s = warp; s < S; s += CW) {
+        const int i = (r * S + s) * G + g;
+        const float weight = __expf(part_max[i] - top);
+        const float* v = part_values + (size_t)i * D + lane * E;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            acc[e] += weight * v[e];
+        }
+    }
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        acc_s[warp][lane * E + e] = acc[e];
+    }
+    __syncthreads();
+    total = 0.f;
+    #pragma unroll
+    for (int w = 0; w < CW; ++w) {
+        total += reduced[w];
+    }
+    for (int d = threadIdx.x; d < D; d += CW * 32) {
+        float weighted = 0.f;
+        #pragma unroll
+        for (int w = 0; w < CW; ++w) {
+            weighted += acc_s[w][d];
+        }
+        row_s[d] = weighted / total;
+    }
+    __syncthreads();
+    if (RV) {
+        for (int h = 1; h < D; h <<= 1) {
+            for (int t = threadIdx.x; t < D / 2; t += CW * 32) {
+                const int i = (t / h) * 2 * h + t % h;
+                const float a = row_s[i];
+                const float b = row_s[i + h];
+                row_s[i] = a + b;
+                row_s[i + h] = a - b;
+            }
+            __syncthreads();
+        }
+    }
+    const float norm = RV ? 1.f / sqrtf((float)D) : 1.f;
+    for (int d = threadIdx.x; d < D; d += CW * 32) {
+        out[(size_t)rg * D + d] = static_cast<O>(row_s[d] * norm);
+    }
+"""
+
+_PAGE_PARTS = ("k_packed", "k_norms", "v_packed", "v_norms")
+_kernels = {}
+
+
+def _kernel(name, inputs, outputs, source):
+    if name not in _kernels:
+        _kernels[name] = mx.fast.cuda_kernel(
+            name=name,
+            input_names=inputs,
+            output_names=outputs,
+            source=source,
+            header=_header(),
+        )
+    return _kernels[name]
+
+
+def _page_pointers(n_pages):
+    lines = []
+    for part in _PAGE_PARTS:
+        chain = f"{part}_{n_pages - 1}"
+        for i in reversed(range(n_pages - 1)):
+            chain = f"page == {i} ? {part}_{i} : {chain}"
+        lines.append(f"const auto {part} = {chain};")
+    return "\n    ".join(lines)
+
+
+@functools.cache
+def _decode_kernel(n_pages):
+    inputs = ["queries"]
+    inputs += [f"{part}_{i}" for i in range(n_pages) for part in _PAGE_PARTS]
+    return _kernel(
+        f"codebook_sdpa_decode_{n_pages}",
+        inputs + ["meta", "mask", "held_keys", "held_values", "held_count"],
+        ["out_values", "out_max", "out_sum"],
+        _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages)),
+    )
+
+
+# ---------------------------------------------------------------------------
+# When the kernels apply
+
+
+@functools.cache
+def _cuda_available():
+    return qd._cuda_available()
+
+
+_enabled = [True]
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within it the kernels are not used (the MLX-ops reference)."""
+    _enabled.append(False)
+    try:
+        yield
+    finally:
+        _enabled.pop()
+
+
+def _on_cuda() -> bool:
+    return _enabled[-1] and mx.default_device() == mx.gpu and _cuda_available()
+
+
+def _rotates(codec) -> bool | None:
+    """Whether a codec the kernels take is rotated (None: not taken)."""
+    if not isinstance(codec, Codebook) or codec.bits not in (3, 4):
+        return None
+    if codec.rotation not in ("hadamard", "none"):
+        return None
+    return codec.rotation == "hadamard"
+
+
+def encodes(x: mx.array, codec) -> bool:
+    """Whether ``encode`` takes these vectors (the last axis) for ``codec``."""
+    return (
+        x.ndim == 4
+        and x.shape[-1] in (64, 128, 256)
+        and _rotates(codec) is not None
+        and _on_cuda()
+    )
+
+
+def holds(keys, values, key_codec, value_codec) -> bool:
+    """Whether decode tokens like these may wait unquantized for the decode
+    kernel (``CodebookKVCache.decode_buffer``)."""
+    D = keys.shape[-1]
+    return (
+        D in (64, 128, 256)
+        and values.shape[-1] == D
+        and _rotates(key_codec) is not None
+        and _rotates(value_codec) is not None
+        and _on_cuda()
+    )
+
+
+def applies(
+    queries,
+    key_pages,
+    value_pages,
+    key_codec,
+    value_codec,
+    mask,
+    sinks,
+    length,
+    held=None,
+):
+    """Whether ``attention`` handles this call (``length`` keys attended, held
+    ones included)."""
+    if sinks is not None or not key_pages or not _on_cuda():
+        return False
+    if _rotates(key_codec) is None or _rotates(value_codec) is None:
+        return False
+    B, n_q_heads, L, D = queries.shape
+    n_kv_heads = key_pages[0][0].shape[1]
+    if D not in (64, 128, 256) or key_codec.dim(key_pages[0]) != D:
+        return False
+    if value_codec.dim(value_pages[0]) != D or n_q_heads % n_kv_heads:
+        return False
+    if L > 1:
+        return held is None
+    return n_q_heads // n_kv_heads <= 8 and qd._mask_kind(mask, B, length) is not None
+
+
+# ---------------------------------------------------------------------------
+# Kernels
+
+
+def encode(x: mx.array, codec) -> tuple[mx.array, mx.array]:
+    """``Codebook.encode`` of (B, H, L, D) vectors in one launch: (packed
+    indices, float16 norms)."""
+    B, H, L, D = x.shape
+    n = B * H * L
+    kernel = _kernel("codebook_encode", ["x"], ["packed", "norms"], _ENCODE_SOURCE)
+    norm = ("dot", "length", "plain").index(codec.norm)
+    blocks = (n + ENCODE_WARPS - 1) // ENCODE_WARPS
+    packed, norms = kernel(
+        inputs=[x],
+        template=[
+            ("D", D),
+            ("BITS", codec.bits),
+            ("ROT", codec.rotation == "hadamard"),
+            ("NORM", norm),
+        ],
+        grid=(blocks * ENCODE_WARPS * 32, 1, 1),
+        threadgroup=(ENCODE_WARPS * 32, 1, 1),
+        output_shapes=[(B, H, L, D * codec.bits // 32), (B, H, L, 1)],
+        output_dtypes=[mx.uint32, mx.float16],
+    )
+    return packed, norms
+
+
+def dequantize(page, codec, dtype) -> mx.array:
+    """The vectors of a page (packed indices, norms), decoded and rotated
+    back (``Codebook.decode`` then the inverse rotation), in ``dtype``."""
+    packed, norms = page
+    B, H, S, W = packed.shape
+    D = W * 32 // codec.bits
+    n = B * H * S
+    kernel = _kernel(
+        "codebook_dequantize", ["packed", "norms"], ["out"], _DEQUANT_SOURCE
+    )
+    blocks = (n + ENCODE_WARPS - 1) // ENCODE_WARPS
+    return kernel(
+        inputs=[packed, norms],
+        template=[
+            ("D", D),
+            ("BITS", codec.bits),
+            ("ROT", codec.rotation == "hadamard"),
+            ("O", dtype),
+        ],
+        grid=(max(blocks, 1) * ENCODE_WARPS * 32, 1, 1),
+        threadgroup=(ENCODE_WARPS * 32, 1, 1),
+        output_shapes=[(B, H, S, D)],
+        output_dtypes=[dtype],
+    )[0]
+
+
+def _dequantize_pages(pages, codec, length, dtype):
+    parts, start = [], 0
+    for page in pages:
+        n = min(page[0].shape[2], length - start)
+        if n <= 0:
+            break
+        if n < page[0].shape[2]:
+            page = tuple(x[:, :, :n] for x in page)
+        parts.append(dequantize(page, codec, dtype))
+        start += n
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
+
+
+def prefill_attention(
+    queries, key_pages, value_pages, key_codec, value_codec, scale, mask, length
+):
+    """Attention of several queries: the stored keys and values decoded (in
+    the queries' dtype) and ``mx.fast.scaled_dot_product_attention``."""
+    keys = _dequantize_pages(key_pages, key_codec, length, queries.dtype)
+    values = _dequantize_pages(value_pages, value_codec, length, queries.dtype)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask
+    )
+
+
+def _combine(values, maxes, sums, dtype, shape, rotate_back):
+    rows, _, G, D = values.shape
+    kernel = _kernel(
+        "codebook_sdpa_combine",
+        ["part_values", "part_max", "part_sum"],
+        ["out"],
+        _COMBINE_SOURCE,
+    )
+    return kernel(
+        inputs=[values, maxes, sums],
+        template=[
+            ("G", G),
+            ("D", D),
+            ("O", dtype),
+            ("CW", COMBINE_WARPS),
+            ("RV", rotate_back),
+        ],
+        grid=(rows * G * COMBINE_WARPS * 32, 1, 1),
+        threadgroup=(COMBINE_WARPS * 32, 1, 1),
+        output_shapes=[shape],
+        output_dtypes=[dtype],
+    )[0]
+
+
+@functools.cache
+def _template(D, G, KB, VB, RK, RV, NKV, MASK, MB):
+    """The decode kernel's template arguments (made once per kind of call)."""
+    names = ("D", "G", "KB", "VB", "RK", "RV", "NKV", "MASK", "MB", "WARPS")
+    return tuple(zip(names, (D, G, KB, VB, RK, RV, NKV, MASK, MB, WARPS)))
+
+
+@functools.cache
+def _held_count(n):
+    """The kernel's count of held keys: made once, so that a decode step
+    neither uploads it nor adds a node to the graph."""
+    return mx.array([n], dtype=mx.int32)
+
+
+@functools.cache
+def _no_held(dtype):
+    return mx.zeros((1, 1, 1, 1), dtype=dtype)
+
+
+def decode_attention(
+    queries,
+    key_pages,
+    value_pages,
+    key_codec,
+    value_codec,
+    scale,
+    mask,
+    length,
+    held=None,
+):
+    """Attention of one query token per sequence over the first ``length``
+    keys and values of the pages, then the ``held`` ones if given (keys and
+    values of shape (B, n_kv_heads, buffer, D), centered like the pages but
+    not rotated, and how many of them count; ``applies`` says which calls)."""
+    B, n_q_heads, _, D = queries.shape
+    n_kv_heads = key_pages[0][0].shape[1]
+    G = n_q_heads // n_kv_heads
+    rows = B * n_kv_heads
+    scale_bits = struct.unpack("i", struct.pack("f", scale))[0]
+    sizes, stored = [], 0
+    for page in key_pages:
+        if sizes and stored >= length:
+            break
+        sizes.append(page[0].shape[2])
+        stored += sizes[-1]
+    held_keys, held_values, n_held = held or (
+        _no_held(queries.dtype),
+        _no_held(queries.dtype),
+        0,
+    )
+    template = _template(
+        D,
+        G,
+        key_codec.bits,
+        value_codec.bits,
+        _rotates(key_codec),
+        _rotates(value_codec),
+        n_kv_heads,
+        qd._mask_kind(mask, B, length + n_held),
+        mask is not None and not isinstance(mask, str) and mask.shape[0] > 1,
+    )
+    if mask is None or isinstance(mask, str):
+        mask = qd._no_mask()
+    values, maxes, sums = [], [], []
+    for first in range(0, len(sizes), MAX_PAGES):
+        pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
+        n_slots = 1 << (len(pages) - 1).bit_length()
+        launch_sizes = sizes[first : pages[-1] + 1]
+        meta, splits = qd._meta(
+            length, launch_sizes, sum(sizes[:first]), rows, n_slots, scale_bits
+        )
+        n_blocks = len(pages) * splits
+        # the last launch has one more block for the held keys
+        n_launch_held = n_held if first + MAX_PAGES >= len(sizes) else 0
+        if n_launch_held:
+            n_blocks += 1
+        pages += [pages[-1]] * (n_slots - len(pages))
+        inputs = [queries]
+        for p in pages:
+            inputs += [*key_pages[p], *value_pages[p]]
+        inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
+        v, m, s = _decode_kernel(n_slots)(
+            inputs=inputs,
+            template=[*template, ("NP", n_slots)],
+            grid=(n_blocks * 32 * WARPS, rows, 1),
+            threadgroup=(32 * WARPS, 1, 1),
+            output_shapes=[
+                (rows, n_blocks, G, D),
+                (rows, n_blocks, G),
+                (rows, n_blocks, G),
+            ],
+            output_dtypes=[mx.float32] * 3,
+        )
+        values.append(v)
+        maxes.append(m)
+        sums.append(s)
+    if len(values) > 1:
+        values = mx.concatenate(values, axis=1)
+        maxes = mx.concatenate(maxes, axis=1)
+        sums = mx.concatenate(sums, axis=1)
+    else:
+        values, maxes, sums = values[0], maxes[0], sums[0]
+    return _combine(
+        values,
+        maxes,
+        sums,
+        queries.dtype,
+        (B, n_q_heads, 1, D),
+        _rotates(value_codec),
+    )
+
+
+def attention(
+    queries,
+    key_pages,
+    value_pages,
+    key_codec,
+    value_codec,
+    scale,
+    mask,
+    sinks,
+    length,
+    held=None,
+):
+    """The kernels' attention over a codebook cache's pages (the first
+    ``length`` tokens, then the ``held`` ones as in ``decode_attention``), or
+    None where they do not apply (the caller takes the MLX-ops path)."""
+    codecs = (key_codec, value_codec)
+    n_held = held[2] if held else 0
+    if not applies(
+        queries, key_pages, value_pages, *codecs, mask, sinks, length + n_held, held
+    ):
+        return None
+    args = (queries, key_pages, value_pages, *codecs, scale, mask, length)
+    if queries.shape[2] == 1:
+        return decode_attention(*args, held=held)
+    return prefill_attention(*args)
+
+
+__all__ = [
+    "applies",
+    "attention",
+    "decode_attention",
+    "dequantize",
+    "encode",
+    "encodes",
+    "holds",
+    "prefill_attention",
+]
