@@ -30,15 +30,19 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
 from mlx_lm.models.base import (
+    _float_tile,
     _fold_queries,
     _quantized_sdpa_tile,
     _quantized_sdpa_tile_mask,
     _quantized_sdpa_tiles,
+    _without_positions,
 )
 from mlx_lm.models.cache import (
     BatchKVCache,
     _BaseCache,
+    _BatchExactKV,
     _PagedKV,
+    _QuantizedKV,
     check_kv_quantization,
     create_attention_mask,
     dynamic_roll,
@@ -52,6 +56,11 @@ ROTATIONS = ("hadamard", "givens", "none")
 # how the stored norm scales the decoded unit vector (see ``Codebook``)
 NORMS = ("dot", "length", "plain")
 NORM_BITS = 16
+# an 8-bit norm (``Codebook(norm_bits=8)``) is log2 of the float norm in steps
+# of NORM8_STEP octaves from 2**NORM8_LOW: 256 steps span 2**-10 to 2**14,
+# relative error at most 3.3% (1.9% rms), a few percent of a 3-bit code's
+NORM8_LOW = -10.0
+NORM8_STEP = 3 / 32
 
 
 # ---------------------------------------------------------------------------
@@ -240,11 +249,16 @@ class Codebook:
       nearest level shrinks the vector along itself by about the MSE);
     - ``"length"``: ``|x| / |c|``, the decoded vector has the input's length;
     - ``"plain"``: ``|x|``.
+
+    ``norm_bits`` is how that scalar is stored: 16 (float16) or 8 (uint8,
+    log2 of it in steps of ``NORM8_STEP`` octaves: ``encode_norm``), which
+    saves 0.125 bits per element at head dim 64.
     """
 
     bits: int = 3
     rotation: str = "hadamard"
     norm: str = "dot"
+    norm_bits: int = NORM_BITS
     parts = 2  # arrays per page: packed indices, norms
 
     def __post_init__(self):
@@ -253,13 +267,18 @@ class Codebook:
         _check_rotation(self.rotation)
         if self.norm not in NORMS:
             raise ValueError(f"Unknown norm {self.norm!r}; one of {NORMS}.")
+        if self.norm_bits not in (8, NORM_BITS):
+            raise ValueError(
+                f"Codebook norm_bits must be 8 or 16, got {self.norm_bits}."
+            )
 
     @property
     def spec(self) -> str:
-        return f"codebook-{self.bits}-{self.rotation}-{self.norm}"
+        spec = f"codebook-{self.bits}-{self.rotation}-{self.norm}"
+        return spec if self.norm_bits == NORM_BITS else f"{spec}-n{self.norm_bits}"
 
     def bits_per_element(self, dim: int) -> float:
-        return self.bits + NORM_BITS / dim
+        return self.bits + self.norm_bits / dim
 
     def check_dim(self, dim: int):
         packed_dim(dim, self.bits)
@@ -271,7 +290,8 @@ class Codebook:
 
     def empty_page(self, x: mx.array, size: int):
         dim = packed_dim(x.shape[-1], self.bits)
-        return _zeros(x, size, (dim, mx.uint32), (1, mx.float16))
+        norm = mx.float16 if self.norm_bits == NORM_BITS else mx.uint8
+        return _zeros(x, size, (dim, mx.uint32), (1, norm))
 
     def encode(self, x: mx.array):
         """(packed indices, float16 norms) of the vectors on the last axis."""
@@ -290,6 +310,8 @@ class Codebook:
             else:
                 scale = mx.sqrt((decoded * decoded).sum(axis=-1, keepdims=True))
             norm = length / mx.maximum(scale, 1e-30)
+        if self.norm_bits == 8:
+            return pack(indices, self.bits), encode_norm(norm)
         norm = mx.minimum(norm, float(np.finfo(np.float16).max))
         return pack(indices, self.bits), norm.astype(mx.float16)
 
@@ -297,7 +319,22 @@ class Codebook:
         """The stored vectors, in the rotated domain."""
         packed, norms = page
         levels = _levels(self.bits, self.dim(page), dtype)
+        if norms.dtype == mx.uint8:
+            norms = decode_norm(norms)
         return levels[unpack(packed, self.bits)] * norms.astype(dtype)
+
+
+def encode_norm(norm: mx.array) -> mx.array:
+    """Float norms as 8-bit codes: log2 in steps of ``NORM8_STEP`` octaves
+    from ``2**NORM8_LOW``, rounded to the nearest (clipped to 0..255)."""
+    log = mx.log2(mx.maximum(norm.astype(mx.float32), 1e-30))
+    code = mx.round((log - NORM8_LOW) / NORM8_STEP)
+    return mx.clip(code, 0, 255).astype(mx.uint8)
+
+
+def decode_norm(code: mx.array) -> mx.array:
+    """The float32 norms of 8-bit codes (``encode_norm``)."""
+    return mx.power(2.0, code.astype(mx.float32) * NORM8_STEP + NORM8_LOW)
 
 
 @dataclass(frozen=True)
@@ -375,9 +412,10 @@ def codec(spec) -> Codebook | Affine | Plain:
         return Codebook(spec)
     if spec == "plain":
         return Plain()
-    match = re.fullmatch(r"codebook-(\d+)-(\w+)-(\w+)", spec)
+    match = re.fullmatch(r"codebook-(\d+)-([a-z]+)-([a-z]+)(-n(\d+))?", spec)
     if match:
-        return Codebook(int(match[1]), match[2], match[3])
+        norm_bits = int(match[5] or NORM_BITS)
+        return Codebook(int(match[1]), match[2], match[3], norm_bits)
     match = re.fullmatch(r"affine-(\d+)-(\d+)-(\w+)", spec)
     if match:
         return Affine(int(match[1]), int(match[2]), match[3])
@@ -399,6 +437,7 @@ def codebook_scaled_dot_product_attention(
     sinks=None,
     length=None,
     tile=None,
+    exact=None,
 ) -> mx.array:
     """Attention of ``queries`` (B, n_q_heads, L, D) over the first ``length``
     keys and values of the pages (all by default), ``tile`` keys at a time (by
@@ -407,7 +446,11 @@ def codebook_scaled_dot_product_attention(
     Tiles are decoded into the codecs' rotated domains; the queries are
     rotated once and the output rotated back once. ``sinks`` (one logit per
     query head, or per query: shape (B, n_q_heads, L)) join every softmax as
-    a key with no value."""
+    a key with no value. ``exact`` (keys, values, first, count), as in
+    mlx-lm's quantized attention (patch 0018): unquantized copies, in the
+    codecs' rotated domains, of the ``count`` tokens from position ``first``
+    (an int, or one per sequence: shape (B,)), attended first in float32
+    in place of their encoded copies, which are masked."""
     B, n_q_heads, L, _ = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
     if length is None:
@@ -436,6 +479,28 @@ def codebook_scaled_dot_product_attention(
             ],
             axis=-1,
         )
+    skip = 0
+    if exact is not None:
+        keys, values, first, count = exact
+        if isinstance(first, int):
+            positions = first + mx.arange(count)
+            skip = first + count
+        else:
+            positions = first[:, None] + mx.arange(count)
+        heads = (L, n_q_heads, n_kv_heads)
+        running_max, carry = _float_tile(
+            queries,
+            keys[..., :count, :],
+            values[..., :count, :],
+            positions,
+            mask,
+            length,
+            length,
+            *heads,
+            (running_max, carry),
+        )
+        if not isinstance(first, int):
+            mask = _without_positions(mask, first, count, length, L)
     page_start = 0
     for k_page, v_page in zip(key_pages, value_pages):
         size = min(k_page[0].shape[2], length - page_start)
@@ -454,6 +519,7 @@ def codebook_scaled_dot_product_attention(
                 L,
                 n_q_heads,
                 n_kv_heads,
+                skip,
             )
             if tile_mask is not None:
                 if tile_mask.dtype == mx.bool_:
@@ -485,6 +551,17 @@ def codebook_scaled_dot_product_attention(
     return rotate(out, value_codec.rotation, inverse=True)
 
 
+def _with_exact(x: mx.array, kept: mx.array, first) -> mx.array:
+    """``x`` (B, heads, T, D) with its rows ``first`` (an int or (B,)) to
+    ``first + n`` replaced by ``kept`` (B, heads, n, D)."""
+    n, T = kept.shape[2], x.shape[2]
+    first = mx.array(first).reshape(-1, 1)
+    onehot = mx.arange(T)[None, :, None] == (first + mx.arange(n))[:, None, :]
+    onehot = onehot[:, None].astype(mx.float32)  # (B or 1, 1, T, n)
+    placed = onehot @ kept.astype(mx.float32)
+    return mx.where(onehot.sum(axis=-1, keepdims=True) > 0, placed, x).astype(x.dtype)
+
+
 # ---------------------------------------------------------------------------
 # Caches
 
@@ -495,15 +572,33 @@ class _CodebookKV(_Centering, _PagedKV):
     ``keys`` and ``values`` are codecs, ints (codebook bits) or codec specs;
     ``values`` defaults to the key codec. ``center`` (``"k"`` or ``"kv"``)
     stores keys (and values) minus their per-head mean of the first write
-    (``omlx_cache.center``)."""
+    (``omlx_cache.center``). ``keep_exact`` (a number of tokens) also keeps
+    the first tokens of every sequence unquantized, as mlx-lm's quantized
+    caches do (patch 0018): ``exact_keys`` and ``exact_values`` hold them as
+    encoded (centered, rotated by their codec's rotation, in the model's
+    dtype) and attention reads them instead of their encoded copies."""
 
     page_size = 4096
+    keep_exact = 0
+    exact_keys = None
+    exact_values = None
 
-    def _set_codecs(self, keys, values=None, page_size=None, center=""):
+    # patch 0018's bookkeeping of the kept tokens, shared with mlx-lm's
+    # quantized caches (a single sequence; batches take _BatchExactKV's)
+    _exact_rows = _QuantizedKV._exact_rows
+    _keep_exact_tokens = _QuantizedKV._keep_exact_tokens
+    _exact_count = _QuantizedKV._exact_count
+    _exact_first = _QuantizedKV._exact_first
+    _exact_state = _QuantizedKV._exact_state
+    _set_exact_state = _QuantizedKV._set_exact_state
+    _exact_nbytes = _QuantizedKV._exact_nbytes
+
+    def _set_codecs(self, keys, values=None, page_size=None, center="", keep_exact=0):
         self.key_codec = codec(keys)
         self.value_codec = codec(keys if values is None else values)
         self.page_size = int(page_size or type(self).page_size)
         self._set_center(center)
+        self._set_exact_state(keep_exact)
 
     def _settings(self) -> dict:
         """What caches must share to be batched (the page size need not)."""
@@ -511,6 +606,7 @@ class _CodebookKV(_Centering, _PagedKV):
             "keys": self.key_codec,
             "values": self.value_codec,
             "center": self.center,
+            "keep_exact": self.keep_exact,
         }
 
     @property
@@ -535,6 +631,29 @@ class _CodebookKV(_Centering, _PagedKV):
         keys, values = self._center(keys, values)
         return self.key_codec.encode(keys), self.value_codec.encode(values)
 
+    def _quantize_at(self, keys, values, offset, transformed=False):
+        """Encode ``keys`` and ``values`` that go to position ``offset`` on,
+        keeping those among the first ``keep_exact`` tokens unquantized too."""
+        keys, values = self._center(keys, values)
+        if self.keep_exact and self._may_keep(offset):
+            self._keep_exact_tokens(
+                rotate(keys, self.key_codec.rotation),
+                rotate(values, self.value_codec.rotation),
+                offset,
+            )
+        return self.key_codec.encode(keys), self.value_codec.encode(values)
+
+    def _may_keep(self, offset) -> bool:
+        """Whether a write from ``offset`` on can hold kept tokens."""
+        return offset < self._exact_rows()
+
+    def _exact(self):
+        """The kept tokens as attention takes them, or None."""
+        count = self._exact_count()
+        if not count:
+            return None
+        return self.exact_keys, self.exact_values, self._exact_first(), count
+
     def _check_dims(self, keys, values):
         self.key_codec.check_dim(keys.shape[-1])
         self.value_codec.check_dim(values.shape[-1])
@@ -551,11 +670,17 @@ class _CodebookKV(_Centering, _PagedKV):
         )
 
     def dequantize(self, dtype=mx.float32):
-        """The keys and values the cache holds, decoded, rotated back and with
-        the means of a centered cache added back."""
+        """The keys and values attention reads, decoded (the kept tokens as
+        they came), rotated back and with the means of a centered cache
+        added back."""
         keys, values = self.keys_and_values()
         keys = self.key_codec.decode(keys, dtype)
         values = self.value_codec.decode(values, dtype)
+        exact = self._exact()
+        if exact is not None:
+            kept_keys, kept_values, first, count = exact
+            keys = _with_exact(keys, kept_keys[..., :count, :], first)
+            values = _with_exact(values, kept_values[..., :count, :], first)
         keys = rotate(keys, self.key_codec.rotation, inverse=True)
         values = rotate(values, self.value_codec.rotation, inverse=True)
         if self.key_mean is not None:
@@ -577,6 +702,7 @@ class _CodebookKV(_Centering, _PagedKV):
             mask=mask,
             sinks=self._center_sinks(queries, scale, sinks),
             length=self._length(),
+            exact=self._exact(),
         )
         return self._uncenter(out)
 
@@ -591,11 +717,15 @@ class _CodebookKV(_Centering, _PagedKV):
         center="",
         key_mean=None,
         value_mean=None,
+        keep_exact=0,
+        exact_keys=None,
+        exact_values=None,
     ):
-        """Set pages, codecs and means from a state after checking that the
-        pages fit the codecs and hold ``length`` tokens and the means fit the
-        pages (else a ValueError, and the cache is left as it was). States
-        written before centering existed end at ``page_size``."""
+        """Set pages, codecs, means and kept tokens from a state after
+        checking that the pages fit the codecs and hold ``length`` tokens and
+        the means fit the pages (else a ValueError, and the cache is left as
+        it was). States written before centering existed end at
+        ``page_size``, before kept tokens at the value mean."""
         key_codec, value_codec = codec(key_spec), codec(value_spec)
         center = check_center_state(center, key_mean, value_mean)
         key_pages = self._pages_from_state(keys)
@@ -614,13 +744,16 @@ class _CodebookKV(_Centering, _PagedKV):
             not key_pages or key_mean.shape[:2] != key_pages[0][0].shape[:2]
         ):
             raise ValueError("Cache state's means do not fit its pages.")
+        if (exact_keys is None) != (exact_values is None):
+            raise ValueError("Cache state has kept keys without values or back.")
         self._set_codecs(key_codec, value_codec, page_size)
         self._set_center_state(center, key_mean, value_mean)
+        self._set_exact_state(keep_exact, exact_keys, exact_values)
         self.key_pages, self.value_pages = key_pages, value_pages
 
     @property
     def nbytes(self):
-        return self._pages_nbytes + self._means_nbytes
+        return self._pages_nbytes + self._means_nbytes + self._exact_nbytes
 
     def empty(self):
         return not self.key_pages
@@ -638,14 +771,15 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
     the key codec. E.g. ``CodebookKVCache(3)`` or ``CodebookKVCache(3, 4)``.
     ``center="k"`` stores keys minus their per-head mean of the first write
     (exact: softmax ignores a shift common to a query's scores); ``"kv"``
-    values too (the output gets their mean back).
+    values too (the output gets their mean back). ``keep_exact=N`` keeps the
+    first N tokens unquantized too, as ``QuantizedKVCache(keep_exact=N)``.
     """
 
-    def __init__(self, keys=3, values=None, page_size=None, center=""):
+    def __init__(self, keys=3, values=None, page_size=None, center="", keep_exact=0):
         self.key_pages = []
         self.value_pages = []
         self.offset = 0
-        self._set_codecs(keys, values, page_size, center)
+        self._set_codecs(keys, values, page_size, center, keep_exact)
 
     def _length(self):
         return self.offset
@@ -678,6 +812,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             self.value_codec.spec,
             self.page_size,
             *self._center_state(),
+            *self._exact_state(),
         )
 
     @state.setter
@@ -692,17 +827,30 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
 
 
 @register_cache_class
-class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
+class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
     """``CodebookKVCache`` for a batch of left-padded sequences, as mlx-lm's
     ``BatchQuantizedKVCache``: ``merge`` (of ``CodebookKVCache``), ``filter``,
     ``extend``, ``extract``, ``prepare`` and ``finalize`` move packed indices
-    and norms, never decoding them."""
+    and norms, never decoding them. Kept tokens (``keep_exact``) are laid
+    out as ``BatchQuantizedKVCache`` lays them out: token ``j`` of sequence
+    ``i`` at position ``left_padding[i] + j``."""
 
-    def __init__(self, left_padding, keys=3, values=None, page_size=None, center=""):
+    def __init__(
+        self,
+        left_padding,
+        keys=3,
+        values=None,
+        page_size=None,
+        center="",
+        keep_exact=0,
+    ):
         super().__init__(left_padding)
         self.key_pages = []
         self.value_pages = []
-        self._set_codecs(keys, values, page_size, center)
+        self._set_codecs(keys, values, page_size, center, keep_exact)
+
+    def _may_keep(self, offset) -> bool:
+        return self._exact_stop is None or offset < self._exact_stop
 
     def _length(self):
         return self._idx
@@ -727,6 +875,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         if lengths is not None and self.key_mean is None:
             # right padding is left out of the means of a first write
             self._valid_stop = mx.array(lengths) + self._idx
+        self._exact_stop = None
 
     def finalize(self):
         """Move right-padded prompts to the right end (once, after prefill)."""
@@ -741,6 +890,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         self.offset = self.offset - self._right_padding
         self.left_padding = self.left_padding + self._right_padding
         self._right_padding = None
+        self._exact_stop = None
 
     @property
     def state(self):
@@ -754,6 +904,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
             self.value_codec.spec,
             self.page_size,
             *self._center_state(),
+            *self._exact_state(),
         )
 
     @state.setter
@@ -762,6 +913,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         self._set_state(keys, values, idx, *settings)
         self.offset, self.left_padding, self._idx = offset, left_padding, int(idx)
         self._right_padding = None
+        self._exact_stop = None
 
     def filter(self, batch_indices):
         """Keep the sequences ``batch_indices``, dropping left padding that all
@@ -771,6 +923,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         self._filter_means(batch_indices)
+        self._filter_exact(batch_indices)
         shared = min(self.left_padding.tolist())
         if shared <= 0:
             return
@@ -813,6 +966,14 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         sizes = [c.offset.shape[0] for c in (self, other)]
         means = self._joined_means([self._means(), other._means()], sizes)
         self.key_mean, self.value_mean = means
+        self.exact_keys, self.exact_values = self._joined_exact(
+            [
+                (c.exact_keys, c.exact_values, c.offset.shape[0], c._exact_needed())
+                for c in (self, other)
+            ],
+            self.keep_exact,
+        )
+        self._exact_stop = None
         if self.empty() and other.empty():
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -841,6 +1002,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
             for stored in (keys, values)
         )
         cache.offset = self._idx - padding
+        self._extract_exact(idx, cache, cache.offset)
         return self._extract_means(idx, cache)
 
     @classmethod
@@ -857,6 +1019,14 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         batch = cls(padding, **settings[0], page_size=caches[0].page_size)
         means = cls._joined_means([c._means() for c in caches], [1] * len(caches))
         batch.key_mean, batch.value_mean = means
+        if batch.keep_exact:
+            batch.exact_keys, batch.exact_values = cls._joined_exact(
+                [
+                    (c.exact_keys, c.exact_values, 1, min(c.keep_exact, c.offset))
+                    for c in caches
+                ],
+                batch.keep_exact,
+            )
         if longest == 0:
             return batch
         stored = [c.keys_and_values() if c.offset else None for c in caches]

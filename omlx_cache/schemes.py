@@ -33,7 +33,7 @@ from .center import (
     CenteredQuantizedRotatingKVCache,
     centered,
 )
-from .codebook import Affine, Codebook, CodebookKVCache, Plain
+from .codebook import NORM_BITS, Affine, Codebook, CodebookKVCache, Plain
 
 # the scales and biases of affine quantization, as a float16 / bfloat16 model stores them
 SCALE_BITS = 16
@@ -183,8 +183,11 @@ def affine_bits(bits: int, group_size: int) -> float:
 
 def layer_bits(cache) -> tuple[float, float] | None:
     """(key, value) bits per element of one layer's cache as a 16-bit model
-    stores it: affine quantized caches by their settings, plain ones 16;
+    stores it: affine quantized caches by their settings, codebook ones by
+    their codecs at their head dims (once they hold tokens), plain ones 16;
     None for other caches."""
+    if isinstance(cache, CodebookKVCache):
+        return cache.bits_per_element
     if hasattr(cache, "key_bits") and hasattr(cache, "key_group_size"):
         return (
             affine_bits(cache.key_bits, cache.key_group_size),
@@ -213,7 +216,8 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
     keeps none, none once it has evicted), and the recent tokens a
     ``residual`` holds unquantized cost 16 bits instead of the format's. Layers are
     assumed to have the same number of heads and head sizes. None when a
-    layer's cache is not an affine or plain one."""
+    layer's cache is not an affine, codebook or plain one (or is an empty
+    codebook one, whose head dims are not known yet)."""
     totals, elements = [0.0, 0.0], 0
     for cache in caches:
         bits = layer_bits(cache)
@@ -343,14 +347,20 @@ NOMINAL_HEAD_DIM = 128
 CODEBOOK_SCHEME = (
     r"codebook-(?P<key_bits>\d+)(k-(?P<affine>a?)(?P<value_bits>\d+)v)?"
     r"(-(?P<rotation>hadamard|givens|none))?(-(?P<norm>dot|length|plain))?"
+    r"(-n(?P<norm_bits>8|16))?"
     + CENTER_SUFFIX
+    + r"(\+exact(?P<exact>\d+))?"
+    + LAYERS_SUFFIX
 )
 
 
-def scheme_codecs(key_bits, value_bits=None, affine="", rotation=None, norm=None):
+def scheme_codecs(
+    key_bits, value_bits=None, affine="", rotation=None, norm=None, norm_bits=None
+):
     """The (key, value) codecs of a ``codebook-...`` scheme name's parts: 16
     bits is ``Plain``; ``affine`` makes the values affine (group size 64)."""
     rotation, norm = rotation or "hadamard", norm or "dot"
+    norm_bits = int(norm_bits or NORM_BITS)
 
     def one(bits, is_affine=False):
         bits = int(bits)
@@ -358,7 +368,7 @@ def scheme_codecs(key_bits, value_bits=None, affine="", rotation=None, norm=None
             return Plain()
         if is_affine:
             return Affine(bits, 64, rotation)
-        return Codebook(bits, rotation, norm)
+        return Codebook(bits, rotation, norm, norm_bits)
 
     keys = one(key_bits)
     values = keys if value_bits is None else one(value_bits, bool(affine))
@@ -367,13 +377,16 @@ def scheme_codecs(key_bits, value_bits=None, affine="", rotation=None, norm=None
 
 @register(
     CODEBOOK_SCHEME,
-    syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] "
-    "[+center|+center-kv]",
+    syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
+    "[+center|+center-kv] [+exactN] [+kB@L.L|+kvB@L.L]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
-    "(-givens: PlanarQuant pairs) plus a float16 norm per vector; Kk-Vv: K and V "
-    "bits (16 = unquantized), aV: affine V (Hadamard, group 64); +center: keys "
-    "minus their per-head mean of the first write, +center-kv values too; "
-    "sliding-window layers hold the whole context (same attention)",
+    "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
+    "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
+    "group 64); +center: keys minus their per-head mean of the first write, "
+    "+center-kv values too; +exactN keeps each sequence's first N tokens "
+    "unquantized too; +k4@1.2: the keys of layers 1 and 2 at 4 bits (+kv4@: "
+    "keys and values); sliding-window layers hold the whole context (same "
+    "attention)",
 )
 def codebook(
     name,
@@ -383,15 +396,45 @@ def codebook(
     affine,
     rotation,
     norm,
+    norm_bits,
     center,
     center_values,
+    exact=None,
+    layer_part=None,
+    layer_bits=None,
+    layers=None,
 ):
-    keys, values = scheme_codecs(key_bits, value_bits, affine, rotation, norm)
+    keys, values = scheme_codecs(
+        key_bits, value_bits, affine, rotation, norm, norm_bits
+    )
     center = center_option(center, center_values)
+    keep_exact = int(exact or 0)
+    high_layers, high = (), (keys, values)
+    if layers is not None:
+        high_layers = parse_layers(layers)
+        more = scheme_codecs(layer_bits, None, "", rotation, norm, norm_bits)[0]
+        high = (more, more if layer_part == "kv" else values)
 
     def make_cache(model):
-        layers = plain_layers(model, windows=True)
-        return [CodebookKVCache(keys, values, center=center) for _ in range(layers)]
+        n = plain_layers(model, windows=True)
+        if high_layers and high_layers[-1] >= n:
+            raise ValueError(
+                f"{name}: layer {high_layers[-1]} of a model with {n} layers."
+            )
+        return [
+            CodebookKVCache(
+                *(high if i in high_layers else (keys, values)),
+                center=center,
+                keep_exact=keep_exact,
+            )
+            for i in range(n)
+        ]
 
     bits = (c.bits_per_element(NOMINAL_HEAD_DIM) for c in (keys, values))
-    return Scheme(name, make_cache, bits_per_element=tuple(bits))
+    return Scheme(
+        name,
+        make_cache,
+        bits_per_element=tuple(bits),
+        kept_tokens=keep_exact,
+        high_layers=high_layers,
+    )
