@@ -50,7 +50,7 @@ from mlx_lm.models.cache import (
     register_cache_class,
 )
 
-from .center import _Centering, check_center_state
+from .center import _Centering, _repeat_heads, check_center_state, first_write_mean
 
 ROTATIONS = ("hadamard", "givens", "none")
 # how the stored norm scales the decoded unit vector (see ``Codebook``)
@@ -551,6 +551,31 @@ def codebook_scaled_dot_product_attention(
     return rotate(out, value_codec.rotation, inverse=True)
 
 
+def query_key_weights(keys, queries=None, start=None, stop=None, power=0.25):
+    """Per-channel key weights (B, n_kv_heads, 1, D) from a first write of
+    (centered) ``keys`` (B, n_kv_heads, T, D) and the queries that attend
+    it (B, n_q_heads, T, D; ones without). A key error ``e`` costs a query
+    ``(q . e)^2``: with keys stored as ``a * k`` (errors about even over the
+    channels after the rotation) and queries as ``q / a``, the expected cost
+    ``sum_c E[q_c^2] / a_c^2 * sum_c a_c^2 E[k_c^2]`` is least for
+    ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4``. Means over each sequence's
+    tokens ``start`` to ``stop`` but the first (as ``first_write_mean``);
+    the weights' geometric mean is 1, each within 1/16 to 16."""
+    B, n_kv_heads, T, D = keys.shape
+    if queries is None:
+        return mx.ones((B, n_kv_heads, 1, D), mx.float32)
+    if queries.shape[2] != T:
+        start = stop = None
+    energy = first_write_mean(keys.astype(mx.float32) ** 2, start, stop)
+    q = first_write_mean(queries.astype(mx.float32) ** 2, start, stop)
+    q = q.reshape(B, n_kv_heads, -1, D).mean(axis=2, keepdims=True)
+    floor = 1e-6 * (energy.mean(axis=-1, keepdims=True) + 1e-30)
+    q_floor = 1e-6 * (q.mean(axis=-1, keepdims=True) + 1e-30)
+    weights = ((q + q_floor) / (energy + floor)) ** power
+    weights = weights / mx.exp(mx.log(weights).mean(axis=-1, keepdims=True))
+    return mx.clip(weights, 1 / 16, 16)
+
+
 def _with_exact(x: mx.array, kept: mx.array, first) -> mx.array:
     """``x`` (B, heads, T, D) with its rows ``first`` (an int or (B,)) to
     ``first + n`` replaced by ``kept`` (B, heads, n, D)."""
@@ -576,12 +601,22 @@ class _CodebookKV(_Centering, _PagedKV):
     the first tokens of every sequence unquantized, as mlx-lm's quantized
     caches do (patch 0018): ``exact_keys`` and ``exact_values`` hold them as
     encoded (centered, rotated by their codec's rotation, in the model's
-    dtype) and attention reads them instead of their encoded copies."""
+    dtype) and attention reads them instead of their encoded copies.
+    ``key_scale=True`` stores keys scaled channel by channel by
+    ``key_weights`` (``query_key_weights``: set from the queries and keys
+    of the first write, which waits for the first attention call) and
+    divides the queries by them: more of the codebook's precision goes to
+    the channels the queries weigh."""
 
     page_size = 4096
     keep_exact = 0
     exact_keys = None
     exact_values = None
+    key_scale = False
+    key_weights = None
+    # the first write, held until attention's queries set the key weights:
+    # (keys, values, position, (start, stop) of each sequence's tokens)
+    _pending = None
 
     # patch 0018's bookkeeping of the kept tokens, shared with mlx-lm's
     # quantized caches (a single sequence; batches take _BatchExactKV's)
@@ -593,12 +628,24 @@ class _CodebookKV(_Centering, _PagedKV):
     _set_exact_state = _QuantizedKV._set_exact_state
     _exact_nbytes = _QuantizedKV._exact_nbytes
 
-    def _set_codecs(self, keys, values=None, page_size=None, center="", keep_exact=0):
+    def _set_codecs(
+        self,
+        keys,
+        values=None,
+        page_size=None,
+        center="",
+        keep_exact=0,
+        key_scale=False,
+        key_weights=None,
+    ):
         self.key_codec = codec(keys)
         self.value_codec = codec(keys if values is None else values)
         self.page_size = int(page_size or type(self).page_size)
         self._set_center(center)
         self._set_exact_state(keep_exact)
+        self.key_scale = bool(key_scale)
+        self.key_weights = key_weights
+        self._pending = None
 
     def _settings(self) -> dict:
         """What caches must share to be batched (the page size need not)."""
@@ -607,6 +654,7 @@ class _CodebookKV(_Centering, _PagedKV):
             "values": self.value_codec,
             "center": self.center,
             "keep_exact": self.keep_exact,
+            "key_scale": self.key_scale,
         }
 
     @property
@@ -635,6 +683,8 @@ class _CodebookKV(_Centering, _PagedKV):
         """Encode ``keys`` and ``values`` that go to position ``offset`` on,
         keeping those among the first ``keep_exact`` tokens unquantized too."""
         keys, values = self._center(keys, values)
+        if self.key_weights is not None:
+            keys = (keys * self.key_weights).astype(keys.dtype)
         if self.keep_exact and self._may_keep(offset):
             self._keep_exact_tokens(
                 rotate(keys, self.key_codec.rotation),
@@ -658,12 +708,68 @@ class _CodebookKV(_Centering, _PagedKV):
         self.key_codec.check_dim(keys.shape[-1])
         self.value_codec.check_dim(values.shape[-1])
 
+    def _hold_first_write(self, keys, values, offset) -> bool:
+        """With ``key_scale``, hold the first write of an empty cache until
+        the first attention call (``_flush``); whether it was held."""
+        if (
+            not self.key_scale
+            or self.key_weights is not None
+            or self._pending is not None
+            or not self.empty()
+        ):
+            return False
+        self._check_dims(keys, values)
+        valid = self._valid_range()
+        self._center(keys, values)  # the means are those of this write
+        self._pending = (keys, values, offset, valid)
+        return True
+
+    def _flush(self, queries=None):
+        """Set the key weights from ``queries`` (ones without) and encode
+        the held first write."""
+        if self._pending is None:
+            return
+        keys, values, offset, (start, stop) = self._pending
+        self._pending = None
+        if self.key_mean is not None:
+            keys_ = keys.astype(mx.float32) - self.key_mean
+        else:
+            keys_ = keys.astype(mx.float32)
+        self.key_weights = query_key_weights(keys_, queries, start, stop)
+        self._write_pages(keys, values, offset, self.page_size)
+
+    def _scaled_queries(self, queries):
+        if self.key_weights is None:
+            return queries
+        weights = _repeat_heads(self.key_weights, queries.shape[1])
+        return (queries / weights).astype(queries.dtype)
+
+    @property
+    def _weights_nbytes(self):
+        return 0 if self.key_weights is None else self.key_weights.nbytes
+
+    @staticmethod
+    def _joined_weights(parts, sizes):
+        """Key weights of sequences laid end to end (ones for a part with
+        none), or None when no part has any."""
+        known = [w for w in parts if w is not None]
+        if not known:
+            return None
+        like = known[0]
+        return mx.concatenate(
+            [
+                w if w is not None else mx.ones((n, *like.shape[1:]), like.dtype)
+                for w, n in zip(parts, sizes)
+            ]
+        )
+
     def _length(self) -> int:
         raise NotImplementedError
 
     def keys_and_values(self):
         """The encoded keys and values up to the length, as one tuple each (a
         copy when the cache has more than one page)."""
+        self._flush()
         return tuple(
             tuple(x[..., : self._length(), :] for x in self._joined(pages))
             for pages in (self.key_pages, self.value_pages)
@@ -683,6 +789,8 @@ class _CodebookKV(_Centering, _PagedKV):
             values = _with_exact(values, kept_values[..., :count, :], first)
         keys = rotate(keys, self.key_codec.rotation, inverse=True)
         values = rotate(values, self.value_codec.rotation, inverse=True)
+        if self.key_weights is not None:
+            keys = (keys / self.key_weights).astype(dtype)
         if self.key_mean is not None:
             keys = (keys + self.key_mean).astype(dtype)
         if self.value_mean is not None:
@@ -692,10 +800,11 @@ class _CodebookKV(_Centering, _PagedKV):
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
+        self._flush(queries)
         out = codebook_scaled_dot_product_attention(
-            queries,
-            keys,
-            values,
+            self._scaled_queries(queries),
+            self.key_pages,
+            self.value_pages,
             self.key_codec,
             self.value_codec,
             scale=scale,
@@ -720,8 +829,10 @@ class _CodebookKV(_Centering, _PagedKV):
         keep_exact=0,
         exact_keys=None,
         exact_values=None,
+        key_scale=False,
+        key_weights=None,
     ):
-        """Set pages, codecs, means and kept tokens from a state after
+        """Set pages, codecs, means, kept tokens and key weights from a state after
         checking that the pages fit the codecs and hold ``length`` tokens and
         the means fit the pages (else a ValueError, and the cache is left as
         it was). States written before centering existed end at
@@ -746,17 +857,44 @@ class _CodebookKV(_Centering, _PagedKV):
             raise ValueError("Cache state's means do not fit its pages.")
         if (exact_keys is None) != (exact_values is None):
             raise ValueError("Cache state has kept keys without values or back.")
-        self._set_codecs(key_codec, value_codec, page_size)
+        if key_weights is not None and (
+            not key_pages or key_weights.shape[:2] != key_pages[0][0].shape[:2]
+        ):
+            raise ValueError("Cache state's key weights do not fit its pages.")
+        self._set_codecs(
+            key_codec,
+            value_codec,
+            page_size,
+            key_scale=key_scale,
+            key_weights=key_weights,
+        )
         self._set_center_state(center, key_mean, value_mean)
         self._set_exact_state(keep_exact, exact_keys, exact_values)
         self.key_pages, self.value_pages = key_pages, value_pages
 
+    def _tail_state(self):
+        """What a state holds after the pages' settings: the centering, then
+        the kept tokens and the key weights where set (older states end
+        before them)."""
+        self._flush()
+        tail = self._center_state()
+        if self.keep_exact or self.key_scale:
+            tail += (self.keep_exact, self.exact_keys, self.exact_values)
+        if self.key_scale:
+            tail += (self.key_scale, self.key_weights)
+        return tail
+
     @property
     def nbytes(self):
-        return self._pages_nbytes + self._means_nbytes + self._exact_nbytes
+        return (
+            self._pages_nbytes
+            + self._means_nbytes
+            + self._exact_nbytes
+            + self._weights_nbytes
+        )
 
     def empty(self):
-        return not self.key_pages
+        return not self.key_pages and self._pending is None
 
     def is_trimmable(self):
         return True
@@ -773,21 +911,33 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
     (exact: softmax ignores a shift common to a query's scores); ``"kv"``
     values too (the output gets their mean back). ``keep_exact=N`` keeps the
     first N tokens unquantized too, as ``QuantizedKVCache(keep_exact=N)``.
+    ``key_scale=True`` weighs the keys' channels by the queries (see
+    ``query_key_weights``).
     """
 
-    def __init__(self, keys=3, values=None, page_size=None, center="", keep_exact=0):
+    def __init__(
+        self,
+        keys=3,
+        values=None,
+        page_size=None,
+        center="",
+        keep_exact=0,
+        key_scale=False,
+    ):
         self.key_pages = []
         self.value_pages = []
         self.offset = 0
-        self._set_codecs(keys, values, page_size, center, keep_exact)
+        self._set_codecs(keys, values, page_size, center, keep_exact, key_scale)
 
     def _length(self):
         return self.offset
 
     def update_and_fetch(self, keys, values):
-        if self.empty():
-            self._check_dims(keys, values)
-        self._write_pages(keys, values, self.offset, self.page_size)
+        if not self._hold_first_write(keys, values, self.offset):
+            self._flush()
+            if self.empty():
+                self._check_dims(keys, values)
+            self._write_pages(keys, values, self.offset, self.page_size)
         self.offset += keys.shape[2]
         return self.key_pages, self.value_pages
 
@@ -795,6 +945,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         return self.offset
 
     def trim(self, n):
+        self._flush()
         n = min(self.offset, n)
         self.offset -= n
         return n
@@ -811,8 +962,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             self.key_codec.spec,
             self.value_codec.spec,
             self.page_size,
-            *self._center_state(),
-            *self._exact_state(),
+            *self._tail_state(),
         )
 
     @state.setter
@@ -843,11 +993,12 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
         page_size=None,
         center="",
         keep_exact=0,
+        key_scale=False,
     ):
         super().__init__(left_padding)
         self.key_pages = []
         self.value_pages = []
-        self._set_codecs(keys, values, page_size, center, keep_exact)
+        self._set_codecs(keys, values, page_size, center, keep_exact, key_scale)
 
     def _may_keep(self, offset) -> bool:
         return self._exact_stop is None or offset < self._exact_stop
@@ -859,9 +1010,11 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
         self.key_pages, self.value_pages = [keys], [values]
 
     def update_and_fetch(self, keys, values):
-        if self.empty():
-            self._check_dims(keys, values)
-        self._write_pages(keys, values, self._idx, self.page_size)
+        if not self._hold_first_write(keys, values, self._idx):
+            self._flush()
+            if self.empty():
+                self._check_dims(keys, values)
+            self._write_pages(keys, values, self._idx, self.page_size)
         self.offset = self.offset + keys.shape[2]
         self._idx += keys.shape[2]
         return self.key_pages, self.value_pages
@@ -881,6 +1034,7 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
         """Move right-padded prompts to the right end (once, after prefill)."""
         if self._right_padding is None:
             return
+        self._flush()
         shift = self._right_padding[:, None]
         rolled = (
             tuple(dynamic_roll(x, shift, axis=2) for x in self._joined(pages))
@@ -903,8 +1057,7 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
             self.key_codec.spec,
             self.value_codec.spec,
             self.page_size,
-            *self._center_state(),
-            *self._exact_state(),
+            *self._tail_state(),
         )
 
     @state.setter
@@ -918,12 +1071,15 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
     def filter(self, batch_indices):
         """Keep the sequences ``batch_indices``, dropping left padding that all
         of them share (whole pages of it, and a view into the first page)."""
+        self._flush()
         for pages in (self.key_pages, self.value_pages):
             pages[:] = [tuple(x[batch_indices] for x in page) for page in pages]
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         self._filter_means(batch_indices)
         self._filter_exact(batch_indices)
+        if self.key_weights is not None:
+            self.key_weights = self.key_weights[batch_indices]
         shared = min(self.left_padding.tolist())
         if shared <= 0:
             return
@@ -963,9 +1119,13 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
                 "Cannot batch codebook caches with different settings: "
                 f"{self._settings()} and {other._settings()}"
             )
+        self._flush()
+        other._flush()
         sizes = [c.offset.shape[0] for c in (self, other)]
         means = self._joined_means([self._means(), other._means()], sizes)
         self.key_mean, self.value_mean = means
+        weights = [self.key_weights, other.key_weights]
+        self.key_weights = self._joined_weights(weights, sizes)
         self.exact_keys, self.exact_values = self._joined_exact(
             [
                 (c.exact_keys, c.exact_values, c.offset.shape[0], c._exact_needed())
@@ -1003,11 +1163,15 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
         )
         cache.offset = self._idx - padding
         self._extract_exact(idx, cache, cache.offset)
+        if self.key_weights is not None:
+            cache.key_weights = self.key_weights[idx : idx + 1]
         return self._extract_means(idx, cache)
 
     @classmethod
     def merge(cls, caches):
         """One batch of ``CodebookKVCache``s, left-padded to the longest."""
+        for c in caches:
+            c._flush()
         settings = [c._settings() for c in caches]
         if any(s != settings[0] for s in settings):
             raise ValueError(
@@ -1019,6 +1183,8 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
         batch = cls(padding, **settings[0], page_size=caches[0].page_size)
         means = cls._joined_means([c._means() for c in caches], [1] * len(caches))
         batch.key_mean, batch.value_mean = means
+        weights = [c.key_weights for c in caches]
+        batch.key_weights = cls._joined_weights(weights, [1] * len(caches))
         if batch.keep_exact:
             batch.exact_keys, batch.exact_values = cls._joined_exact(
                 [

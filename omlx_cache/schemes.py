@@ -207,6 +207,17 @@ def residual_tokens(residual: int, tokens: int) -> int:
     return residual + (tokens - residual) % residual
 
 
+def per_head_bits(cache) -> tuple[int, int]:
+    """(key, value) bits per channel a codebook cache stores once per head
+    and sequence: float32 means (``center``) and key weights
+    (``key_scale``), each as much as one token of float32 elements.
+    (Affine centered caches hold means too; they are left out, as before.)"""
+    if not isinstance(cache, CodebookKVCache):
+        return (0, 0)
+    key = sum(32 for x in (cache.key_mean, cache.key_weights) if x is not None)
+    return (key, 32 if cache.value_mean is not None else 0)
+
+
 def average_bits(caches, context: int) -> tuple[float, float] | None:
     """(key, value) bits per element over everything ``caches`` (one per
     layer) store for a sequence of ``context`` tokens: a bounded layer holds
@@ -214,7 +225,9 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
     add 16 bits an element each while they are kept (a bounded layer that
     keeps its first ``keep`` tokens keeps at most those unquantized; one that
     keeps none, none once it has evicted), and the recent tokens a
-    ``residual`` holds unquantized cost 16 bits instead of the format's. Layers are
+    ``residual`` holds unquantized cost 16 bits instead of the format's, and a
+    codebook cache's float32 means and key weights 32 bits per channel once
+    (``per_head_bits``). Layers are
     assumed to have the same number of heads and head sizes. None when a
     layer's cache is not an affine, codebook or plain one (or is an empty
     codebook one, whose head dims are not known yet)."""
@@ -233,6 +246,7 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
         kept = min(kept, tokens - held)
         for i in range(2):
             totals[i] += (tokens - held) * bits[i] + (held + kept) * SCALE_BITS
+            totals[i] += per_head_bits(cache)[i]
         elements += tokens
     return tuple(t / elements for t in totals)
 
@@ -349,6 +363,7 @@ CODEBOOK_SCHEME = (
     r"(-(?P<rotation>hadamard|givens|none))?(-(?P<norm>dot|length|plain))?"
     r"(-n(?P<norm_bits>8|16))?"
     + CENTER_SUFFIX
+    + r"(?P<qscale>\+qscale)?"
     + r"(\+exact(?P<exact>\d+))?"
     + LAYERS_SUFFIX
 )
@@ -378,12 +393,14 @@ def scheme_codecs(
 @register(
     CODEBOOK_SCHEME,
     syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
-    "[+center|+center-kv] [+exactN] [+kB@L.L|+kvB@L.L]",
+    "[+center|+center-kv] [+qscale] [+exactN] [+kB@L.L|+kvB@L.L]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
     "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
     "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
     "group 64); +center: keys minus their per-head mean of the first write, "
-    "+center-kv values too; +exactN keeps each sequence's first N tokens "
+    "+center-kv values too; +qscale weighs the keys' channels by the queries' "
+    "energy over the keys' (query_key_weights, set at the first attention call); "
+    "+exactN keeps each sequence's first N tokens "
     "unquantized too; +k4@1.2: the keys of layers 1 and 2 at 4 bits (+kv4@: "
     "keys and values); sliding-window layers hold the whole context (same "
     "attention)",
@@ -399,6 +416,7 @@ def codebook(
     norm_bits,
     center,
     center_values,
+    qscale=None,
     exact=None,
     layer_part=None,
     layer_bits=None,
@@ -426,6 +444,7 @@ def codebook(
                 *(high if i in high_layers else (keys, values)),
                 center=center,
                 keep_exact=keep_exact,
+                key_scale=qscale is not None,
             )
             for i in range(n)
         ]

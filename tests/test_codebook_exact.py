@@ -270,9 +270,118 @@ def test_eval_scheme_names():
     for c, bits in zip(caches, (3, 4)):
         c.update_and_fetch(*mx.random.normal((2, 1, 2, 20, 64)))
     k, v = schemes.average_bits(caches, 4096)
-    kept = 4 * 16 / 4096
-    assert k == pytest.approx((3.25 + 4.25) / 2 + kept)
+    kept, mean = 4 * 16 / 4096, 32 / 4096  # and the float32 key means
+    assert k == pytest.approx((3.25 + 4.25) / 2 + kept + mean)
     assert v == pytest.approx(3.25 + kept)
+    assert schemes.get_scheme("codebook-3+qscale").make_cache(_TinyModel())[0].key_scale
+
+
+# ---------------------------------------------------------------------------
+# Keys weighed by the queries (key_scale)
+
+
+def reference(cache, queries, mask):
+    keys, values = cache.dequantize()
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=queries.shape[-1] ** -0.5, mask=mask
+    )
+
+
+@pytest.mark.parametrize("center,n", [("", 0), ("k", 4), ("kv", 16)])
+def test_key_scale_attends_as_its_dequantized_cache(center, n):
+    mx.random.seed(9)
+    keys, values = mx.random.normal((2, 1, 2, 60, 64))
+    keys = keys * mx.linspace(0.2, 3, 64)  # channels of different sizes
+    cache = CodebookKVCache(
+        3, 4, page_size=PAGE, center=center, keep_exact=n, key_scale=True
+    )
+    queries = mx.random.normal((1, 6, 50, 64)) * mx.linspace(3, 0.2, 64)
+    k, v = cache.update_and_fetch(keys[..., :50, :], values[..., :50, :])
+    assert cache._pending is not None and not cache.empty()
+    out = attend(cache, queries, k, v, "causal")
+    weights = cache.key_weights
+    assert weights.shape == (1, 2, 1, 64) and cache._pending is None
+    # the first channels weigh more: large queries, small keys
+    assert (weights[..., :8].mean() > 2 * weights[..., -8:].mean()).item()
+    assert relative_error(out, reference(cache, queries, "causal")) < 1e-4
+    k, v = cache.update_and_fetch(keys[..., 50:, :], values[..., 50:, :])
+    queries = queries[:, :, :10]
+    out = attend(cache, queries, k, v, "causal")
+    assert relative_error(out, reference(cache, queries, "causal")) < 1e-4
+    if n:
+        assert mx.allclose(
+            cache.dequantize()[0][..., :n, :], keys[..., :n, :], atol=1e-4
+        )
+
+
+def test_key_scale_lowers_the_score_error():
+    mx.random.seed(10)
+    keys = mx.random.normal((1, 1, 200, 64)) * mx.linspace(0.2, 3, 64)
+    values = mx.random.normal((1, 1, 200, 64))
+    queries = mx.random.normal((1, 1, 200, 64)) * mx.linspace(3, 0.2, 64)
+    errors = []
+    for scale in (False, True):
+        cache = CodebookKVCache(3, center="k", key_scale=scale)
+        k, v = cache.update_and_fetch(keys, values)
+        attend(cache, queries, k, v, "causal")
+        scores = queries @ (cache.dequantize()[0] - keys).swapaxes(-1, -2)
+        errors.append((scores**2).mean().item())
+    assert errors[1] < 0.8 * errors[0]
+
+
+def test_key_scale_state_and_batches(tmp_path):
+    mx.random.seed(12)
+    caches = []
+    for length in (7, 30):
+        cache = CodebookKVCache(4, 3, center="k", keep_exact=4, key_scale=True)
+        k, v = cache.update_and_fetch(*mx.random.normal((2, 1, 2, length, 64)))
+        attend(cache, mx.random.normal((1, 6, length, 64)), k, v, "causal")
+        caches.append(cache)
+    unread = CodebookKVCache(4, 3, center="k", keep_exact=4, key_scale=True)
+    unread.update_and_fetch(*mx.random.normal((2, 1, 2, 5, 64)))
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, [caches[0], unread])  # a held write is encoded (weights 1)
+    loaded = load_prompt_cache(path)
+    assert mx.array_equal(loaded[0].key_weights, caches[0].key_weights)
+    assert (loaded[1].key_weights == 1).all().item() and loaded[1].offset == 5
+    batch = CodebookKVCache.merge([*caches, unread])
+    assert batch.key_weights.shape == (3, 2, 1, 64)
+    single = batch.extract(1)
+    assert mx.array_equal(single.key_weights, caches[1].key_weights)
+    step = mx.random.normal((2, 3, 2, 1, 64))
+    queries = mx.random.normal((3, 6, 1, 64))
+    mask = batch.make_mask(1)
+    out = attend(batch, queries, *batch.update_and_fetch(*step), mask)
+    for i, cache in enumerate([*caches, unread]):
+        k, v = cache.update_and_fetch(step[0, i : i + 1], step[1, i : i + 1])
+        assert (
+            relative_error(
+                out[i : i + 1], attend(cache, queries[i : i + 1], k, v, None)
+            )
+            < 1e-4
+        )
+    batch.filter([0, 2])
+    assert batch.key_weights.shape[0] == 2
+
+
+def test_key_scale_batch_first_write_with_padding():
+    # a batch weighs each sequence's keys by its own queries, padding left out
+    mx.random.seed(13)
+    batch = BatchCodebookKVCache([3, 0], 3, center="k", key_scale=True)
+    keys, values = mx.random.normal((2, 2, 2, 12, 64))
+    queries = mx.random.normal((2, 4, 12, 64))
+    mask = batch.make_mask(12)
+    out = attend(batch, queries, *batch.update_and_fetch(keys, values), mask)
+    singles = []
+    for i, pad in enumerate((3, 0)):
+        single = CodebookKVCache(3, center="k", key_scale=True)
+        k, v = single.update_and_fetch(
+            keys[i : i + 1, :, pad:], values[i : i + 1, :, pad:]
+        )
+        singles.append(attend(single, queries[i : i + 1, :, pad:], k, v, "causal"))
+        assert mx.allclose(batch.key_weights[i], single.key_weights, rtol=1e-4).item()
+    assert relative_error(out[1:], singles[1]) < 1e-4
+    assert relative_error(out[:1, :, 3:], singles[0]) < 1e-4
 
 
 class _TinyModel:
