@@ -366,6 +366,7 @@ CODEBOOK_SCHEME = (
     + r"(?P<qscale>\+qscale)?"
     + r"(\+exact(?P<exact>\d+))?"
     + LAYERS_SUFFIX
+    + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*))?"
 )
 
 
@@ -393,7 +394,7 @@ def scheme_codecs(
 @register(
     CODEBOOK_SCHEME,
     syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
-    "[+center|+center-kv] [+qscale] [+exactN] [+kB@L.L|+kvB@L.L]",
+    "[+center|+center-kv] [+qscale] [+exactN] [+kB@L.L|+kvB@L.L] [+vB@L.L]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
     "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
     "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
@@ -402,7 +403,7 @@ def scheme_codecs(
     "energy over the keys' (query_key_weights, set at the first attention call); "
     "+exactN keeps each sequence's first N tokens "
     "unquantized too; +k4@1.2: the keys of layers 1 and 2 at 4 bits (+kv4@: "
-    "keys and values); sliding-window layers hold the whole context (same "
+    "keys and values; +v4@: values, after +k); sliding-window layers hold the whole context (same "
     "attention)",
 )
 def codebook(
@@ -421,6 +422,8 @@ def codebook(
     layer_part=None,
     layer_bits=None,
     layers=None,
+    value_layer_bits=None,
+    value_layers=None,
 ):
     keys, values = scheme_codecs(
         key_bits, value_bits, affine, rotation, norm, norm_bits
@@ -432,16 +435,25 @@ def codebook(
         high_layers = parse_layers(layers)
         more = scheme_codecs(layer_bits, None, "", rotation, norm, norm_bits)[0]
         high = (more, more if layer_part == "kv" else values)
+    value_high_layers, value_high = (), values
+    if value_layers is not None:
+        value_high_layers = parse_layers(value_layers)
+        value_high = scheme_codecs(
+            value_layer_bits, None, "", rotation, norm, norm_bits
+        )[0]
+
+    def codecs(i):
+        k, v = high if i in high_layers else (keys, values)
+        return k, value_high if i in value_high_layers else v
 
     def make_cache(model):
         n = plain_layers(model, windows=True)
-        if high_layers and high_layers[-1] >= n:
-            raise ValueError(
-                f"{name}: layer {high_layers[-1]} of a model with {n} layers."
-            )
+        last = max(high_layers[-1:] + value_high_layers[-1:], default=-1)
+        if last >= n:
+            raise ValueError(f"{name}: layer {last} of a model with {n} layers.")
         return [
             CodebookKVCache(
-                *(high if i in high_layers else (keys, values)),
+                *codecs(i),
                 center=center,
                 keep_exact=keep_exact,
                 key_scale=qscale is not None,
@@ -455,5 +467,5 @@ def codebook(
         make_cache,
         bits_per_element=tuple(bits),
         kept_tokens=keep_exact,
-        high_layers=high_layers,
+        high_layers=tuple(sorted({*high_layers, *value_high_layers})),
     )

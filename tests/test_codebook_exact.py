@@ -264,6 +264,11 @@ def test_eval_scheme_names():
     caches = scheme.make_cache(_TinyModel())
     assert [c.key_codec.bits for c in caches] == [3, 4]
     assert [c.value_codec.bits for c in caches] == [3, 3]
+    mixed = schemes.get_scheme("codebook-3+center+exact4+k4@1+v4@0")
+    assert mixed.high_layers == (0, 1)
+    assert [
+        (c.key_codec.bits, c.value_codec.bits) for c in mixed.make_cache(_TinyModel())
+    ] == [(3, 4), (4, 3)]
     n8 = schemes.get_scheme("codebook-4k-3v-n8+center+exact16").make_cache(_TinyModel())
     assert n8[0].key_codec == Codebook(4, norm_bits=8)
     # bits per element at 4,096 tokens: codes, norms, kept tokens
