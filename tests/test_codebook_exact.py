@@ -396,3 +396,38 @@ class _TinyModel:
 
     def make_cache(self):
         return [KVCache(), KVCache()]
+
+
+# ---------------------------------------------------------------------------
+# Generation
+
+
+def test_generation_with_kept_tokens_and_weighted_keys():
+    from mlx_lm.generate import BatchGenerator, generate_step
+    from tiny_llama import make_model
+
+    model = make_model()
+
+    def caches():
+        return [
+            CodebookKVCache(4, 3, center="k", keep_exact=4, key_scale=True)
+            for _ in model.layers
+        ]
+
+    def generated(prompt, n=6):
+        steps = generate_step(
+            mx.array(prompt), model, max_tokens=n, prompt_cache=caches()
+        )
+        return [int(token) for token, _ in steps]
+
+    prompts = [list(range(3, 30)), [5, 6, 7], list(range(40, 52))]
+    gen = BatchGenerator(
+        model, max_tokens=6, prefill_batch_size=2, completion_batch_size=3
+    )
+    uids = gen.insert(prompts, caches=[caches() for _ in prompts])
+    tokens = {uid: [] for uid in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            tokens[r.uid].append(r.token)
+    for uid, prompt in zip(uids, prompts):
+        assert tokens[uid] == generated(prompt)
