@@ -551,27 +551,51 @@ def codebook_scaled_dot_product_attention(
     return rotate(out, value_codec.rotation, inverse=True)
 
 
-def query_key_weights(keys, queries=None, start=None, stop=None, power=0.25):
+KEY_SCALES = ("q", "qk")
+
+
+def check_key_scale(key_scale) -> str:
+    """``""`` (off), ``"q"`` or ``"qk"`` from a setting; True means ``"qk"``."""
+    if key_scale is None or key_scale is False or key_scale == "":
+        return ""
+    if key_scale is True:
+        return "qk"
+    if key_scale in KEY_SCALES:
+        return key_scale
+    raise ValueError(
+        f"key_scale must be one of {KEY_SCALES} or off, got {key_scale!r}."
+    )
+
+
+def query_key_weights(keys, queries=None, start=None, stop=None, mode="qk"):
     """Per-channel key weights (B, n_kv_heads, 1, D) from a first write of
     (centered) ``keys`` (B, n_kv_heads, T, D) and the queries that attend
     it (B, n_q_heads, T, D; ones without). A key error ``e`` costs a query
     ``(q . e)^2``: with keys stored as ``a * k`` (errors about even over the
     channels after the rotation) and queries as ``q / a``, the expected cost
     ``sum_c E[q_c^2] / a_c^2 * sum_c a_c^2 E[k_c^2]`` is least for
-    ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4``. Means over each sequence's
-    tokens ``start`` to ``stop`` but the first (as ``first_write_mean``);
-    the weights' geometric mean is 1, each within 1/16 to 16."""
+    ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4`` (``mode="qk"``). The keys'
+    energies drift as a sequence goes on (RoPE turns the slow channel pairs
+    away from the first write's mean), so ``mode="q"`` takes them as even
+    and the queries' alone, a little flatter: ``a_c = E[q_c^2] ** 1/5``
+    (on a calibration text, docs/codebook-quality.md). Means over each
+    sequence's tokens ``start`` to ``stop`` but the first (as
+    ``first_write_mean``); the weights' geometric mean is 1, each within
+    1/16 to 16."""
     B, n_kv_heads, T, D = keys.shape
     if queries is None:
         return mx.ones((B, n_kv_heads, 1, D), mx.float32)
     if queries.shape[2] != T:
         start = stop = None
-    energy = first_write_mean(keys.astype(mx.float32) ** 2, start, stop)
     q = first_write_mean(queries.astype(mx.float32) ** 2, start, stop)
     q = q.reshape(B, n_kv_heads, -1, D).mean(axis=2, keepdims=True)
-    floor = 1e-6 * (energy.mean(axis=-1, keepdims=True) + 1e-30)
     q_floor = 1e-6 * (q.mean(axis=-1, keepdims=True) + 1e-30)
-    weights = ((q + q_floor) / (energy + floor)) ** power
+    if mode == "q":
+        weights = (q + q_floor) ** 0.2
+    else:
+        energy = first_write_mean(keys.astype(mx.float32) ** 2, start, stop)
+        floor = 1e-6 * (energy.mean(axis=-1, keepdims=True) + 1e-30)
+        weights = ((q + q_floor) / (energy + floor)) ** 0.25
     weights = weights / mx.exp(mx.log(weights).mean(axis=-1, keepdims=True))
     return mx.clip(weights, 1 / 16, 16)
 
@@ -602,17 +626,17 @@ class _CodebookKV(_Centering, _PagedKV):
     caches do (patch 0018): ``exact_keys`` and ``exact_values`` hold them as
     encoded (centered, rotated by their codec's rotation, in the model's
     dtype) and attention reads them instead of their encoded copies.
-    ``key_scale=True`` stores keys scaled channel by channel by
-    ``key_weights`` (``query_key_weights``: set from the queries and keys
-    of the first write, which waits for the first attention call) and
-    divides the queries by them: more of the codebook's precision goes to
-    the channels the queries weigh."""
+    ``key_scale`` (``"q"``, ``"qk"``; True is ``"qk"``) stores keys scaled
+    channel by channel by ``key_weights`` (``query_key_weights``: set from
+    the queries, and with ``"qk"`` the keys, of the first write, which waits
+    for the first attention call) and divides the queries by them: more of
+    the codebook's precision goes to the channels the queries weigh."""
 
     page_size = 4096
     keep_exact = 0
     exact_keys = None
     exact_values = None
-    key_scale = False
+    key_scale = ""
     key_weights = None
     # the first write, held until attention's queries set the key weights:
     # (keys, values, position, (start, stop) of each sequence's tokens)
@@ -635,7 +659,7 @@ class _CodebookKV(_Centering, _PagedKV):
         page_size=None,
         center="",
         keep_exact=0,
-        key_scale=False,
+        key_scale="",
         key_weights=None,
     ):
         self.key_codec = codec(keys)
@@ -643,7 +667,7 @@ class _CodebookKV(_Centering, _PagedKV):
         self.page_size = int(page_size or type(self).page_size)
         self._set_center(center)
         self._set_exact_state(keep_exact)
-        self.key_scale = bool(key_scale)
+        self.key_scale = check_key_scale(key_scale)
         self.key_weights = key_weights
         self._pending = None
 
@@ -735,7 +759,9 @@ class _CodebookKV(_Centering, _PagedKV):
             keys_ = keys.astype(mx.float32) - self.key_mean
         else:
             keys_ = keys.astype(mx.float32)
-        self.key_weights = query_key_weights(keys_, queries, start, stop)
+        self.key_weights = query_key_weights(
+            keys_, queries, start, stop, mode=self.key_scale
+        )
         self._write_pages(keys, values, offset, self.page_size)
 
     def _scaled_queries(self, queries):
@@ -829,7 +855,7 @@ class _CodebookKV(_Centering, _PagedKV):
         keep_exact=0,
         exact_keys=None,
         exact_values=None,
-        key_scale=False,
+        key_scale="",
         key_weights=None,
     ):
         """Set pages, codecs, means, kept tokens and key weights from a state after
@@ -911,8 +937,8 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
     (exact: softmax ignores a shift common to a query's scores); ``"kv"``
     values too (the output gets their mean back). ``keep_exact=N`` keeps the
     first N tokens unquantized too, as ``QuantizedKVCache(keep_exact=N)``.
-    ``key_scale=True`` weighs the keys' channels by the queries (see
-    ``query_key_weights``).
+    ``key_scale="q"`` (or ``"qk"``) weighs the keys' channels by the
+    queries (see ``query_key_weights``).
     """
 
     def __init__(
@@ -922,7 +948,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         page_size=None,
         center="",
         keep_exact=0,
-        key_scale=False,
+        key_scale="",
     ):
         self.key_pages = []
         self.value_pages = []
@@ -993,7 +1019,7 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
         page_size=None,
         center="",
         keep_exact=0,
-        key_scale=False,
+        key_scale="",
     ):
         super().__init__(left_padding)
         self.key_pages = []

@@ -363,7 +363,7 @@ CODEBOOK_SCHEME = (
     r"(-(?P<rotation>hadamard|givens|none))?(-(?P<norm>dot|length|plain))?"
     r"(-n(?P<norm_bits>8|16))?"
     + CENTER_SUFFIX
-    + r"(?P<qscale>\+qscale)?"
+    + r"(?P<qscale>\+qscale(?P<qscale_mode>-q)?)?"
     + r"(\+exact(?P<exact>\d+))?"
     + LAYERS_SUFFIX
     + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*))?"
@@ -394,13 +394,14 @@ def scheme_codecs(
 @register(
     CODEBOOK_SCHEME,
     syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
-    "[+center|+center-kv] [+qscale] [+exactN] [+kB@L.L|+kvB@L.L] [+vB@L.L]",
+    "[+center|+center-kv] [+qscale|+qscale-q] [+exactN] [+kB@L.L|+kvB@L.L] [+vB@L.L]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
     "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
     "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
     "group 64); +center: keys minus their per-head mean of the first write, "
     "+center-kv values too; +qscale weighs the keys' channels by the queries' "
-    "energy over the keys' (query_key_weights, set at the first attention call); "
+    "energy over the keys' (query_key_weights, set at the first attention call), "
+    "+qscale-q by the queries' alone; "
     "+exactN keeps each sequence's first N tokens "
     "unquantized too; +k4@1.2: the keys of layers 1 and 2 at 4 bits (+kv4@: "
     "keys and values; +v4@: values, after +k); sliding-window layers hold the whole context (same "
@@ -418,6 +419,7 @@ def codebook(
     center,
     center_values,
     qscale=None,
+    qscale_mode=None,
     exact=None,
     layer_part=None,
     layer_bits=None,
@@ -456,7 +458,7 @@ def codebook(
                 *codecs(i),
                 center=center,
                 keep_exact=keep_exact,
-                key_scale=qscale is not None,
+                key_scale="" if qscale is None else "q" if qscale_mode else "qk",
             )
             for i in range(n)
         ]

@@ -278,7 +278,11 @@ def test_eval_scheme_names():
     kept, mean = 4 * 16 / 4096, 32 / 4096  # and the float32 key means
     assert k == pytest.approx((3.25 + 4.25) / 2 + kept + mean)
     assert v == pytest.approx(3.25 + kept)
-    assert schemes.get_scheme("codebook-3+qscale").make_cache(_TinyModel())[0].key_scale
+    for suffix, mode in (("+qscale", "qk"), ("+qscale-q", "q")):
+        scheme = schemes.get_scheme(f"codebook-3{suffix}+exact4")
+        assert scheme.make_cache(_TinyModel())[0].key_scale == mode
+    with pytest.raises(ValueError, match="key_scale"):
+        CodebookKVCache(3, key_scale="k")
 
 
 # ---------------------------------------------------------------------------
@@ -292,13 +296,14 @@ def reference(cache, queries, mask):
     )
 
 
+@pytest.mark.parametrize("mode", ["qk", "q"])
 @pytest.mark.parametrize("center,n", [("", 0), ("k", 4), ("kv", 16)])
-def test_key_scale_attends_as_its_dequantized_cache(center, n):
+def test_key_scale_attends_as_its_dequantized_cache(center, n, mode):
     mx.random.seed(9)
     keys, values = mx.random.normal((2, 1, 2, 60, 64))
     keys = keys * mx.linspace(0.2, 3, 64)  # channels of different sizes
     cache = CodebookKVCache(
-        3, 4, page_size=PAGE, center=center, keep_exact=n, key_scale=True
+        3, 4, page_size=PAGE, center=center, keep_exact=n, key_scale=mode
     )
     queries = mx.random.normal((1, 6, 50, 64)) * mx.linspace(3, 0.2, 64)
     k, v = cache.update_and_fetch(keys[..., :50, :], values[..., :50, :])
@@ -319,13 +324,14 @@ def test_key_scale_attends_as_its_dequantized_cache(center, n):
         )
 
 
-def test_key_scale_lowers_the_score_error():
+@pytest.mark.parametrize("mode", ["qk", "q"])
+def test_key_scale_lowers_the_score_error(mode):
     mx.random.seed(10)
     keys = mx.random.normal((1, 1, 200, 64)) * mx.linspace(0.2, 3, 64)
     values = mx.random.normal((1, 1, 200, 64))
     queries = mx.random.normal((1, 1, 200, 64)) * mx.linspace(3, 0.2, 64)
     errors = []
-    for scale in (False, True):
+    for scale in ("", mode):
         cache = CodebookKVCache(3, center="k", key_scale=scale)
         k, v = cache.update_and_fetch(keys, values)
         attend(cache, queries, k, v, "causal")
@@ -410,7 +416,7 @@ def test_generation_with_kept_tokens_and_weighted_keys():
 
     def caches():
         return [
-            CodebookKVCache(4, 3, center="k", keep_exact=4, key_scale=True)
+            CodebookKVCache(4, 3, center="k", keep_exact=4, key_scale="q")
             for _ in model.layers
         ]
 
