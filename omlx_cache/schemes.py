@@ -218,6 +218,16 @@ def per_head_bits(cache) -> tuple[int, int]:
     return (key, 32 if cache.value_mean is not None else 0)
 
 
+def mean_residual_tokens(residual: int, tokens: int) -> float:
+    """Tokens a cache with this ``residual`` holds unquantized after
+    ``tokens``, averaged over one quantization cycle once it has begun (it
+    holds ``residual`` to ``2 * residual - 1``): the count at one length
+    depends on where that length falls in the cycle."""
+    if not residual or tokens < 2 * residual:
+        return residual_tokens(residual, tokens)
+    return (3 * residual - 1) / 2
+
+
 def average_bits(caches, context: int) -> tuple[float, float] | None:
     """(key, value) bits per element over everything ``caches`` (one per
     layer) store for a sequence of ``context`` tokens: a bounded layer holds
@@ -225,9 +235,9 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
     add 16 bits an element each while they are kept (a bounded layer that
     keeps its first ``keep`` tokens keeps at most those unquantized; one that
     keeps none, none once it has evicted), and the recent tokens a
-    ``residual`` holds unquantized cost 16 bits instead of the format's, and a
-    codebook cache's float32 means and key weights 32 bits per channel once
-    (``per_head_bits``). Layers are
+    ``residual`` holds unquantized (``mean_residual_tokens``) cost 16 bits
+    instead of the format's, and a codebook cache's float32 means and key
+    weights 32 bits per channel once (``per_head_bits``). Layers are
     assumed to have the same number of heads and head sizes. None when a
     layer's cache is not an affine, codebook or plain one (or is an empty
     codebook one, whose head dims are not known yet)."""
@@ -238,7 +248,7 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
             return None
         window = getattr(cache, "max_size", None)
         tokens = context if window is None else min(context, window)
-        held = residual_tokens(getattr(cache, "residual", 0), tokens)
+        held = mean_residual_tokens(getattr(cache, "residual", 0), tokens)
         kept = getattr(cache, "keep_exact", 0)
         keep = getattr(cache, "keep", 0)
         if window is not None and (keep or tokens < context):

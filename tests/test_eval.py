@@ -318,8 +318,12 @@ def test_residual_scheme_bits(model):
     assert schemes.residual_tokens(16, 32) == 16
     assert schemes.residual_tokens(16, 4096 + 5) == 21
     assert schemes.residual_tokens(0, 4096) == 0
-    # 4,080 tokens at 4.5 bits, the first 4 of them also at 16, 16 held at 16
-    expected = (4080 * 4.5 + (4 + 16) * 16) / 4096
+    # 16 to 31 held: 23.5 on average over a cycle, wherever 4096 falls in it
+    assert schemes.mean_residual_tokens(16, 4096) == 23.5
+    assert schemes.mean_residual_tokens(16, 4096 + 5) == 23.5
+    assert schemes.mean_residual_tokens(16, 20) == 20
+    # the rest at 4.5 bits, the first 4 also at 16, the held ones at 16
+    expected = ((4096 - 23.5) * 4.5 + (4 + 23.5) * 16) / 4096
     assert schemes.average_bits(caches, 4096) == pytest.approx((expected, expected))
     # while every token is held, all are 16-bit
     assert schemes.average_bits(caches, 20) == (16.0, 16.0)
