@@ -31,15 +31,19 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import base
 from mlx_lm.models.base import (
+    _float_tile,
     _fold_queries,
     _quantized_sdpa_tile,
     _quantized_sdpa_tile_mask,
     _quantized_sdpa_tiles,
+    _without_positions,
 )
 from mlx_lm.models.cache import (
     BatchKVCache,
     _BaseCache,
+    _BatchExactKV,
     _PagedKV,
+    _QuantizedKV,
     check_kv_quantization,
     create_attention_mask,
     dynamic_roll,
@@ -47,12 +51,17 @@ from mlx_lm.models.cache import (
     register_cache_class,
 )
 
-from .center import _Centering, check_center_state
+from .center import _Centering, _repeat_heads, check_center_state, first_write_mean
 
 ROTATIONS = ("hadamard", "givens", "none")
 # how the stored norm scales the decoded unit vector (see ``Codebook``)
 NORMS = ("dot", "length", "plain")
 NORM_BITS = 16
+# an 8-bit norm (``Codebook(norm_bits=8)``) is log2 of the float norm in steps
+# of NORM8_STEP octaves from 2**NORM8_LOW: 256 steps span 2**-10 to 2**14,
+# relative error at most 3.3% (1.9% rms), a few percent of a 3-bit code's
+NORM8_LOW = -10.0
+NORM8_STEP = 3 / 32
 
 
 # ---------------------------------------------------------------------------
@@ -315,11 +324,16 @@ class Codebook:
       nearest level shrinks the vector along itself by about the MSE);
     - ``"length"``: ``|x| / |c|``, the decoded vector has the input's length;
     - ``"plain"``: ``|x|``.
+
+    ``norm_bits`` is how that scalar is stored: 16 (float16) or 8 (uint8,
+    log2 of it in steps of ``NORM8_STEP`` octaves: ``encode_norm``), which
+    saves 0.125 bits per element at head dim 64.
     """
 
     bits: int = 3
     rotation: str = "hadamard"
     norm: str = "dot"
+    norm_bits: int = NORM_BITS
     parts = 2  # arrays per page: packed indices, norms
 
     def __post_init__(self):
@@ -328,13 +342,18 @@ class Codebook:
         _check_rotation(self.rotation)
         if self.norm not in NORMS:
             raise ValueError(f"Unknown norm {self.norm!r}; one of {NORMS}.")
+        if self.norm_bits not in (8, NORM_BITS):
+            raise ValueError(
+                f"Codebook norm_bits must be 8 or 16, got {self.norm_bits}."
+            )
 
     @property
     def spec(self) -> str:
-        return f"codebook-{self.bits}-{self.rotation}-{self.norm}"
+        spec = f"codebook-{self.bits}-{self.rotation}-{self.norm}"
+        return spec if self.norm_bits == NORM_BITS else f"{spec}-n{self.norm_bits}"
 
     def bits_per_element(self, dim: int) -> float:
-        return self.bits + NORM_BITS / dim
+        return self.bits + self.norm_bits / dim
 
     def check_dim(self, dim: int):
         packed_dim(dim, self.bits)
@@ -346,7 +365,8 @@ class Codebook:
 
     def empty_page(self, x: mx.array, size: int):
         dim = packed_dim(x.shape[-1], self.bits)
-        return _zeros(x, size, (dim, mx.uint32), (1, mx.float16))
+        norm = mx.float16 if self.norm_bits == NORM_BITS else mx.uint8
+        return _zeros(x, size, (dim, mx.uint32), (1, norm))
 
     def encode(self, x: mx.array):
         """(packed indices, float16 norms) of the vectors on the last axis."""
@@ -369,6 +389,8 @@ class Codebook:
             else:
                 scale = mx.sqrt((decoded * decoded).sum(axis=-1, keepdims=True))
             norm = length / mx.maximum(scale, 1e-30)
+        if self.norm_bits == 8:
+            return pack(indices, self.bits), encode_norm(norm)
         norm = mx.minimum(norm, float(np.finfo(np.float16).max))
         return pack(indices, self.bits), norm.astype(mx.float16)
 
@@ -376,7 +398,22 @@ class Codebook:
         """The stored vectors, in the rotated domain."""
         packed, norms = page
         levels = _levels(self.bits, self.dim(page), dtype)
+        if norms.dtype == mx.uint8:
+            norms = decode_norm(norms)
         return levels[unpack(packed, self.bits)] * norms.astype(dtype)
+
+
+def encode_norm(norm: mx.array) -> mx.array:
+    """Float norms as 8-bit codes: log2 in steps of ``NORM8_STEP`` octaves
+    from ``2**NORM8_LOW``, rounded to the nearest (clipped to 0..255)."""
+    log = mx.log2(mx.maximum(norm.astype(mx.float32), 1e-30))
+    code = mx.round((log - NORM8_LOW) / NORM8_STEP)
+    return mx.clip(code, 0, 255).astype(mx.uint8)
+
+
+def decode_norm(code: mx.array) -> mx.array:
+    """The float32 norms of 8-bit codes (``encode_norm``)."""
+    return mx.power(2.0, code.astype(mx.float32) * NORM8_STEP + NORM8_LOW)
 
 
 @dataclass(frozen=True)
@@ -454,9 +491,10 @@ def codec(spec) -> Codebook | Affine | Plain:
         return Codebook(spec)
     if spec == "plain":
         return Plain()
-    match = re.fullmatch(r"codebook-(\d+)-(\w+)-(\w+)", spec)
+    match = re.fullmatch(r"codebook-(\d+)-([a-z]+)-([a-z]+)(-n(\d+))?", spec)
     if match:
-        return Codebook(int(match[1]), match[2], match[3])
+        norm_bits = int(match[5] or NORM_BITS)
+        return Codebook(int(match[1]), match[2], match[3], norm_bits)
     match = re.fullmatch(r"affine-(\d+)-(\d+)-(\w+)", spec)
     if match:
         return Affine(int(match[1]), int(match[2]), match[3])
@@ -478,6 +516,7 @@ def codebook_scaled_dot_product_attention(
     sinks=None,
     length=None,
     tile=None,
+    exact=None,
 ) -> mx.array:
     """Attention of ``queries`` (B, n_q_heads, L, D) over the first ``length``
     keys and values of the pages (all by default), ``tile`` keys at a time (by
@@ -486,7 +525,11 @@ def codebook_scaled_dot_product_attention(
     Tiles are decoded into the codecs' rotated domains; the queries are
     rotated once and the output rotated back once. ``sinks`` (one logit per
     query head, or per query: shape (B, n_q_heads, L)) join every softmax as
-    a key with no value."""
+    a key with no value. ``exact`` (keys, values, first, count), as in
+    mlx-lm's quantized attention (patch 0018): unquantized copies, in the
+    codecs' rotated domains, of the ``count`` tokens from position ``first``
+    (an int, or one per sequence: shape (B,)), attended first in float32
+    in place of their encoded copies, which are masked."""
     B, n_q_heads, L, _ = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
     if length is None:
@@ -515,6 +558,28 @@ def codebook_scaled_dot_product_attention(
             ],
             axis=-1,
         )
+    skip = 0
+    if exact is not None:
+        keys, values, first, count = exact
+        if isinstance(first, int):
+            positions = first + mx.arange(count)
+            skip = first + count
+        else:
+            positions = first[:, None] + mx.arange(count)
+        heads = (L, n_q_heads, n_kv_heads)
+        running_max, carry = _float_tile(
+            queries,
+            keys[..., :count, :],
+            values[..., :count, :],
+            positions,
+            mask,
+            length,
+            length,
+            *heads,
+            (running_max, carry),
+        )
+        if not isinstance(first, int):
+            mask = _without_positions(mask, first, count, length, L)
     page_start = 0
     for k_page, v_page in zip(key_pages, value_pages):
         size = min(k_page[0].shape[2], length - page_start)
@@ -533,6 +598,7 @@ def codebook_scaled_dot_product_attention(
                 L,
                 n_q_heads,
                 n_kv_heads,
+                skip,
             )
             if tile_mask is not None:
                 if tile_mask.dtype == mx.bool_:
@@ -564,6 +630,66 @@ def codebook_scaled_dot_product_attention(
     return rotate(out, value_codec.rotation, inverse=True)
 
 
+KEY_SCALES = ("q", "qk")
+
+
+def check_key_scale(key_scale) -> str:
+    """``""`` (off), ``"q"`` or ``"qk"`` from a setting; True means ``"qk"``."""
+    if key_scale is None or key_scale is False or key_scale == "":
+        return ""
+    if key_scale is True:
+        return "qk"
+    if key_scale in KEY_SCALES:
+        return key_scale
+    raise ValueError(
+        f"key_scale must be one of {KEY_SCALES} or off, got {key_scale!r}."
+    )
+
+
+def query_key_weights(keys, queries=None, start=None, stop=None, mode="qk"):
+    """Per-channel key weights (B, n_kv_heads, 1, D) from a first write of
+    (centered) ``keys`` (B, n_kv_heads, T, D) and the queries that attend
+    it (B, n_q_heads, T, D; ones without). A key error ``e`` costs a query
+    ``(q . e)^2``: with keys stored as ``a * k`` (errors about even over the
+    channels after the rotation) and queries as ``q / a``, the expected cost
+    ``sum_c E[q_c^2] / a_c^2 * sum_c a_c^2 E[k_c^2]`` is least for
+    ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4`` (``mode="qk"``). The keys'
+    energies drift as a sequence goes on (RoPE turns the slow channel pairs
+    away from the first write's mean), so ``mode="q"`` takes them as even
+    and the queries' alone, a little flatter: ``a_c = E[q_c^2] ** 1/5``
+    (on a calibration text, docs/codebook-quality.md). Means over each
+    sequence's tokens ``start`` to ``stop`` but the first (as
+    ``first_write_mean``); the weights' geometric mean is 1, each within
+    1/16 to 16."""
+    B, n_kv_heads, T, D = keys.shape
+    if queries is None:
+        return mx.ones((B, n_kv_heads, 1, D), mx.float32)
+    if queries.shape[2] != T:
+        start = stop = None
+    q = first_write_mean(queries.astype(mx.float32) ** 2, start, stop)
+    q = q.reshape(B, n_kv_heads, -1, D).mean(axis=2, keepdims=True)
+    q_floor = 1e-6 * (q.mean(axis=-1, keepdims=True) + 1e-30)
+    if mode == "q":
+        weights = (q + q_floor) ** 0.2
+    else:
+        energy = first_write_mean(keys.astype(mx.float32) ** 2, start, stop)
+        floor = 1e-6 * (energy.mean(axis=-1, keepdims=True) + 1e-30)
+        weights = ((q + q_floor) / (energy + floor)) ** 0.25
+    weights = weights / mx.exp(mx.log(weights).mean(axis=-1, keepdims=True))
+    return mx.clip(weights, 1 / 16, 16)
+
+
+def _with_exact(x: mx.array, kept: mx.array, first) -> mx.array:
+    """``x`` (B, heads, T, D) with its rows ``first`` (an int or (B,)) to
+    ``first + n`` replaced by ``kept`` (B, heads, n, D)."""
+    n, T = kept.shape[2], x.shape[2]
+    first = mx.array(first).reshape(-1, 1)
+    onehot = mx.arange(T)[None, :, None] == (first + mx.arange(n))[:, None, :]
+    onehot = onehot[:, None].astype(mx.float32)  # (B or 1, 1, T, n)
+    placed = onehot @ kept.astype(mx.float32)
+    return mx.where(onehot.sum(axis=-1, keepdims=True) > 0, placed, x).astype(x.dtype)
+
+
 # ---------------------------------------------------------------------------
 # Caches
 
@@ -574,21 +700,39 @@ class _CodebookKV(_Centering, _PagedKV):
     ``keys`` and ``values`` are codecs, ints (codebook bits) or codec specs;
     ``values`` defaults to the key codec. ``center`` (``"k"`` or ``"kv"``)
     stores keys (and values) minus their per-head mean of the first write
-    (``omlx_cache.center``)."""
+    (``omlx_cache.center``). ``keep_exact`` (a number of tokens) also keeps
+    the first tokens of every sequence unquantized, as mlx-lm's quantized
+    caches do (patch 0018): ``exact_keys`` and ``exact_values`` hold them as
+    encoded (centered, rotated by their codec's rotation, in the model's
+    dtype) and attention reads them instead of their encoded copies.
+    ``key_scale`` (``"q"``, ``"qk"``; True is ``"qk"``) stores keys scaled
+    channel by channel by ``key_weights`` (``query_key_weights``: set from
+    the queries, and with ``"qk"`` the keys, of the first write, which waits
+    for the first attention call) and divides the queries by them: more of
+    the codebook's precision goes to the channels the queries weigh."""
 
     page_size = 4096
+    keep_exact = 0
+    exact_keys = None
+    exact_values = None
+    key_scale = ""
+    key_weights = None
+    # the first write, held until attention's queries set the key weights:
+    # (keys, values, position, (start, stop) of each sequence's tokens)
+    _pending = None
     # Decode tokens held unquantized for the CUDA decode kernel, as patch
     # 0009's ``QuantizedKVCache.decode_buffer``: a step writes two slices
     # instead of encoding keys and values and writing four. They are centered
-    # like the stored tokens but not rotated, and encoded into the pages when
-    # the buffer fills and before anything else reads the pages. None: 32
-    # where the kernel runs (``codebook_kernel.holds``), else none.
+    # (and weighted) like the stored tokens but not rotated, and encoded into
+    # the pages when the buffer fills and before anything else reads the
+    # pages. None: 32 where the kernel runs (``codebook_kernel.holds``), else
+    # none.
     decode_buffer = None
     held_keys = held_values = None
     n_held = 0
 
-    def _flush(self):
-        """Encode the held tokens into the pages."""
+    def _flush_held(self):
+        """Encode the held decode tokens into the pages."""
         n = self.n_held
         if not n:
             return
@@ -597,21 +741,40 @@ class _CodebookKV(_Centering, _PagedKV):
         start = self._length() - n
         self._write_pages(keys, values, start, self.page_size, transformed=True)
 
-    def _quantize_transformed(self, keys, values):
-        # held tokens: already centered
-        return self.key_codec.encode(keys), self.value_codec.encode(values)
-
     @property
     def _held_nbytes(self):
         if self.held_keys is None:
             return 0
         return self.held_keys.nbytes + self.held_values.nbytes
 
-    def _set_codecs(self, keys, values=None, page_size=None, center=""):
+    # patch 0018's bookkeeping of the kept tokens, shared with mlx-lm's
+    # quantized caches (a single sequence; batches take _BatchExactKV's)
+    _exact_rows = _QuantizedKV._exact_rows
+    _keep_exact_tokens = _QuantizedKV._keep_exact_tokens
+    _exact_count = _QuantizedKV._exact_count
+    _exact_first = _QuantizedKV._exact_first
+    _exact_state = _QuantizedKV._exact_state
+    _set_exact_state = _QuantizedKV._set_exact_state
+    _exact_nbytes = _QuantizedKV._exact_nbytes
+
+    def _set_codecs(
+        self,
+        keys,
+        values=None,
+        page_size=None,
+        center="",
+        keep_exact=0,
+        key_scale="",
+        key_weights=None,
+    ):
         self.key_codec = codec(keys)
         self.value_codec = codec(keys if values is None else values)
         self.page_size = int(page_size or type(self).page_size)
         self._set_center(center)
+        self._set_exact_state(keep_exact)
+        self.key_scale = check_key_scale(key_scale)
+        self.key_weights = key_weights
+        self._pending = None
 
     def _settings(self) -> dict:
         """What caches must share to be batched (the page size need not)."""
@@ -619,6 +782,8 @@ class _CodebookKV(_Centering, _PagedKV):
             "keys": self.key_codec,
             "values": self.value_codec,
             "center": self.center,
+            "keep_exact": self.keep_exact,
+            "key_scale": self.key_scale,
         }
 
     @property
@@ -643,9 +808,103 @@ class _CodebookKV(_Centering, _PagedKV):
         keys, values = self._center(keys, values)
         return self.key_codec.encode(keys), self.value_codec.encode(values)
 
+    def _quantize_at(self, keys, values, offset, transformed=False):
+        """Encode ``keys`` and ``values`` that go to position ``offset`` on,
+        keeping those among the first ``keep_exact`` tokens unquantized too.
+        ``transformed``: held decode tokens, already centered and weighted."""
+        if not transformed:
+            keys, values = self._weighted(*self._center(keys, values))
+        if self.keep_exact and self._may_keep(offset):
+            self._keep_exact_tokens(
+                rotate(keys, self.key_codec.rotation),
+                rotate(values, self.value_codec.rotation),
+                offset,
+            )
+        return self.key_codec.encode(keys), self.value_codec.encode(values)
+
+    def _may_keep(self, offset) -> bool:
+        """Whether a write from ``offset`` on can hold kept tokens."""
+        return offset < self._exact_rows()
+
+    def _exact(self):
+        """The kept tokens as attention takes them, or None."""
+        count = self._exact_count()
+        if not count:
+            return None
+        return self.exact_keys, self.exact_values, self._exact_first(), count
+
     def _check_dims(self, keys, values):
         self.key_codec.check_dim(keys.shape[-1])
         self.value_codec.check_dim(values.shape[-1])
+
+    def _hold_first_write(self, keys, values, offset) -> bool:
+        """With ``key_scale``, hold the first write of an empty cache until
+        the first attention call (``_flush_first_write``); whether it was
+        held."""
+        if (
+            not self.key_scale
+            or self.key_weights is not None
+            or self._pending is not None
+            or not self.empty()
+        ):
+            return False
+        self._check_dims(keys, values)
+        valid = self._valid_range()
+        self._center(keys, values)  # the means are those of this write
+        self._pending = (keys, values, offset, valid)
+        return True
+
+    def _weighted(self, keys, values):
+        if self.key_weights is not None:
+            keys = (keys * self.key_weights).astype(keys.dtype)
+        return keys, values
+
+    def _flush(self):
+        """Encode what is held: the first write (key weights of ones if no
+        attention call set them) and the held decode tokens."""
+        self._flush_first_write()
+        self._flush_held()
+
+    def _flush_first_write(self, queries=None):
+        """Set the key weights from ``queries`` (ones without) and encode
+        the held first write."""
+        if self._pending is None:
+            return
+        keys, values, offset, (start, stop) = self._pending
+        self._pending = None
+        if self.key_mean is not None:
+            keys_ = keys.astype(mx.float32) - self.key_mean
+        else:
+            keys_ = keys.astype(mx.float32)
+        self.key_weights = query_key_weights(
+            keys_, queries, start, stop, mode=self.key_scale
+        )
+        self._write_pages(keys, values, offset, self.page_size)
+
+    def _scaled_queries(self, queries):
+        if self.key_weights is None:
+            return queries
+        weights = _repeat_heads(self.key_weights, queries.shape[1])
+        return (queries / weights).astype(queries.dtype)
+
+    @property
+    def _weights_nbytes(self):
+        return 0 if self.key_weights is None else self.key_weights.nbytes
+
+    @staticmethod
+    def _joined_weights(parts, sizes):
+        """Key weights of sequences laid end to end (ones for a part with
+        none), or None when no part has any."""
+        known = [w for w in parts if w is not None]
+        if not known:
+            return None
+        like = known[0]
+        return mx.concatenate(
+            [
+                w if w is not None else mx.ones((n, *like.shape[1:]), like.dtype)
+                for w, n in zip(parts, sizes)
+            ]
+        )
 
     def _length(self) -> int:
         raise NotImplementedError
@@ -660,13 +919,21 @@ class _CodebookKV(_Centering, _PagedKV):
         )
 
     def dequantize(self, dtype=mx.float32):
-        """The keys and values the cache holds, decoded, rotated back and with
-        the means of a centered cache added back."""
+        """The keys and values attention reads, decoded (the kept tokens as
+        they came), rotated back and with the means of a centered cache
+        added back."""
         keys, values = self.keys_and_values()
         keys = self.key_codec.decode(keys, dtype)
         values = self.value_codec.decode(values, dtype)
+        exact = self._exact()
+        if exact is not None:
+            kept_keys, kept_values, first, count = exact
+            keys = _with_exact(keys, kept_keys[..., :count, :], first)
+            values = _with_exact(values, kept_values[..., :count, :], first)
         keys = rotate(keys, self.key_codec.rotation, inverse=True)
         values = rotate(values, self.value_codec.rotation, inverse=True)
+        if self.key_weights is not None:
+            keys = (keys / self.key_weights).astype(dtype)
         if self.key_mean is not None:
             keys = (keys + self.key_mean).astype(dtype)
         if self.value_mean is not None:
@@ -678,27 +945,42 @@ class _CodebookKV(_Centering, _PagedKV):
     ):
         from . import codebook_kernel
 
+        self._flush_first_write(queries)
         sinks = self._center_sinks(queries, scale, sinks)
+        queries = self._scaled_queries(queries)
         codecs = (self.key_codec, self.value_codec)
-        held = None
-        if self.n_held:
-            held = (self.held_keys, self.held_values, self.n_held)
-        # CUDA kernels where they apply (codebook_kernel), else MLX ops
-        length = self._length() - self.n_held
-        out = codebook_kernel.attention(
-            queries, keys, values, *codecs, scale, mask, sinks, length, held
-        )
+        exact = self._exact()
+        out = None
+        if exact is None:
+            # CUDA kernels where they apply (codebook_kernel), else MLX ops;
+            # the kernels do not read kept tokens
+            held = None
+            if self.n_held:
+                held = (self.held_keys, self.held_values, self.n_held)
+            length = self._length() - self.n_held
+            out = codebook_kernel.attention(
+                queries,
+                self.key_pages,
+                self.value_pages,
+                *codecs,
+                scale,
+                mask,
+                sinks,
+                length,
+                held,
+            )
         if out is None:
-            self._flush()
+            self._flush_held()
             out = codebook_scaled_dot_product_attention(
                 queries,
-                keys,
-                values,
+                self.key_pages,
+                self.value_pages,
                 *codecs,
                 scale=scale,
                 mask=mask,
                 sinks=sinks,
                 length=self._length(),
+                exact=exact,
             )
         return self._uncenter(out)
 
@@ -713,11 +995,17 @@ class _CodebookKV(_Centering, _PagedKV):
         center="",
         key_mean=None,
         value_mean=None,
+        keep_exact=0,
+        exact_keys=None,
+        exact_values=None,
+        key_scale="",
+        key_weights=None,
     ):
-        """Set pages, codecs and means from a state after checking that the
-        pages fit the codecs and hold ``length`` tokens and the means fit the
-        pages (else a ValueError, and the cache is left as it was). States
-        written before centering existed end at ``page_size``."""
+        """Set pages, codecs, means, kept tokens and key weights from a state after
+        checking that the pages fit the codecs and hold ``length`` tokens and
+        the means fit the pages (else a ValueError, and the cache is left as
+        it was). States written before centering existed end at
+        ``page_size``, before kept tokens at the value mean."""
         key_codec, value_codec = codec(key_spec), codec(value_spec)
         center = check_center_state(center, key_mean, value_mean)
         key_pages = self._pages_from_state(keys)
@@ -736,16 +1024,47 @@ class _CodebookKV(_Centering, _PagedKV):
             not key_pages or key_mean.shape[:2] != key_pages[0][0].shape[:2]
         ):
             raise ValueError("Cache state's means do not fit its pages.")
-        self._set_codecs(key_codec, value_codec, page_size)
+        if (exact_keys is None) != (exact_values is None):
+            raise ValueError("Cache state has kept keys without values or back.")
+        if key_weights is not None and (
+            not key_pages or key_weights.shape[:2] != key_pages[0][0].shape[:2]
+        ):
+            raise ValueError("Cache state's key weights do not fit its pages.")
+        self._set_codecs(
+            key_codec,
+            value_codec,
+            page_size,
+            key_scale=key_scale,
+            key_weights=key_weights,
+        )
         self._set_center_state(center, key_mean, value_mean)
+        self._set_exact_state(keep_exact, exact_keys, exact_values)
         self.key_pages, self.value_pages = key_pages, value_pages
+
+    def _tail_state(self):
+        """What a state holds after the pages' settings: the centering, then
+        the kept tokens and the key weights where set (older states end
+        before them)."""
+        self._flush()
+        tail = self._center_state()
+        if self.keep_exact or self.key_scale:
+            tail += (self.keep_exact, self.exact_keys, self.exact_values)
+        if self.key_scale:
+            tail += (self.key_scale, self.key_weights)
+        return tail
 
     @property
     def nbytes(self):
-        return self._pages_nbytes + self._means_nbytes + self._held_nbytes
+        return (
+            self._pages_nbytes
+            + self._means_nbytes
+            + self._exact_nbytes
+            + self._weights_nbytes
+            + self._held_nbytes
+        )
 
     def empty(self):
-        return not self.key_pages
+        return not self.key_pages and self._pending is None
 
     def is_trimmable(self):
         return True
@@ -760,25 +1079,37 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
     the key codec. E.g. ``CodebookKVCache(3)`` or ``CodebookKVCache(3, 4)``.
     ``center="k"`` stores keys minus their per-head mean of the first write
     (exact: softmax ignores a shift common to a query's scores); ``"kv"``
-    values too (the output gets their mean back).
+    values too (the output gets their mean back). ``keep_exact=N`` keeps the
+    first N tokens unquantized too, as ``QuantizedKVCache(keep_exact=N)``.
+    ``key_scale="q"`` (or ``"qk"``) weighs the keys' channels by the
+    queries (see ``query_key_weights``).
     """
 
-    def __init__(self, keys=3, values=None, page_size=None, center=""):
+    def __init__(
+        self,
+        keys=3,
+        values=None,
+        page_size=None,
+        center="",
+        keep_exact=0,
+        key_scale="",
+    ):
         self.key_pages = []
         self.value_pages = []
         self.offset = 0
-        self._set_codecs(keys, values, page_size, center)
+        self._set_codecs(keys, values, page_size, center, keep_exact, key_scale)
 
     def _length(self):
         return self.offset
 
     def update_and_fetch(self, keys, values):
-        if self.empty():
-            self._check_dims(keys, values)
-        elif keys.shape[2] == 1 and self._hold(keys, values):
-            return self.key_pages, self.value_pages
-        self._flush()
-        self._write_pages(keys, values, self.offset, self.page_size)
+        if not self._hold_first_write(keys, values, self.offset):
+            if not self.empty() and keys.shape[2] == 1 and self._hold(keys, values):
+                return self.key_pages, self.value_pages
+            self._flush()
+            if self.empty():
+                self._check_dims(keys, values)
+            self._write_pages(keys, values, self.offset, self.page_size)
         self.offset += keys.shape[2]
         return self.key_pages, self.value_pages
 
@@ -786,6 +1117,8 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         """Hold a decode token unquantized if the buffer is on (True)."""
         from . import codebook_kernel
 
+        if self.keep_exact or self._pending is not None:
+            return False  # the kernels do not read kept tokens
         size = self.decode_buffer
         if size is None:
             codecs = (self.key_codec, self.value_codec)
@@ -795,17 +1128,17 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         B, n_kv_heads, _, dim = keys.shape
         shape = (B, n_kv_heads, size, dim)
         if self.held_keys is None or self.held_keys.shape != shape:
-            self._flush()
+            self._flush_held()
             self.held_keys = mx.zeros(shape, keys.dtype)
             self.held_values = mx.zeros((*shape[:3], values.shape[-1]), values.dtype)
-        keys, values = self._center(keys, values)
+        keys, values = self._weighted(*self._center(keys, values))
         n = self.n_held
         self.held_keys[:, :, n : n + 1] = keys
         self.held_values[:, :, n : n + 1] = values
         self.n_held += 1
         self.offset += 1
         if self.n_held == size:
-            self._flush()
+            self._flush_held()
         return True
 
     def size(self):
@@ -830,7 +1163,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             self.key_codec.spec,
             self.value_codec.spec,
             self.page_size,
-            *self._center_state(),
+            *self._tail_state(),
         )
 
     @state.setter
@@ -846,17 +1179,31 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
 
 
 @register_cache_class
-class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
+class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
     """``CodebookKVCache`` for a batch of left-padded sequences, as mlx-lm's
     ``BatchQuantizedKVCache``: ``merge`` (of ``CodebookKVCache``), ``filter``,
     ``extend``, ``extract``, ``prepare`` and ``finalize`` move packed indices
-    and norms, never decoding them."""
+    and norms, never decoding them. Kept tokens (``keep_exact``) are laid
+    out as ``BatchQuantizedKVCache`` lays them out: token ``j`` of sequence
+    ``i`` at position ``left_padding[i] + j``."""
 
-    def __init__(self, left_padding, keys=3, values=None, page_size=None, center=""):
+    def __init__(
+        self,
+        left_padding,
+        keys=3,
+        values=None,
+        page_size=None,
+        center="",
+        keep_exact=0,
+        key_scale="",
+    ):
         super().__init__(left_padding)
         self.key_pages = []
         self.value_pages = []
-        self._set_codecs(keys, values, page_size, center)
+        self._set_codecs(keys, values, page_size, center, keep_exact, key_scale)
+
+    def _may_keep(self, offset) -> bool:
+        return self._exact_stop is None or offset < self._exact_stop
 
     def _length(self):
         return self._idx
@@ -865,9 +1212,11 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         self.key_pages, self.value_pages = [keys], [values]
 
     def update_and_fetch(self, keys, values):
-        if self.empty():
-            self._check_dims(keys, values)
-        self._write_pages(keys, values, self._idx, self.page_size)
+        if not self._hold_first_write(keys, values, self._idx):
+            self._flush()
+            if self.empty():
+                self._check_dims(keys, values)
+            self._write_pages(keys, values, self._idx, self.page_size)
         self.offset = self.offset + keys.shape[2]
         self._idx += keys.shape[2]
         return self.key_pages, self.value_pages
@@ -881,11 +1230,13 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         if lengths is not None and self.key_mean is None:
             # right padding is left out of the means of a first write
             self._valid_stop = mx.array(lengths) + self._idx
+        self._exact_stop = None
 
     def finalize(self):
         """Move right-padded prompts to the right end (once, after prefill)."""
         if self._right_padding is None:
             return
+        self._flush()
         shift = self._right_padding[:, None]
         rolled = (
             tuple(dynamic_roll(x, shift, axis=2) for x in self._joined(pages))
@@ -895,6 +1246,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         self.offset = self.offset - self._right_padding
         self.left_padding = self.left_padding + self._right_padding
         self._right_padding = None
+        self._exact_stop = None
 
     @property
     def state(self):
@@ -907,7 +1259,7 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
             self.key_codec.spec,
             self.value_codec.spec,
             self.page_size,
-            *self._center_state(),
+            *self._tail_state(),
         )
 
     @state.setter
@@ -916,15 +1268,20 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         self._set_state(keys, values, idx, *settings)
         self.offset, self.left_padding, self._idx = offset, left_padding, int(idx)
         self._right_padding = None
+        self._exact_stop = None
 
     def filter(self, batch_indices):
         """Keep the sequences ``batch_indices``, dropping left padding that all
         of them share (whole pages of it, and a view into the first page)."""
+        self._flush()
         for pages in (self.key_pages, self.value_pages):
             pages[:] = [tuple(x[batch_indices] for x in page) for page in pages]
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         self._filter_means(batch_indices)
+        self._filter_exact(batch_indices)
+        if self.key_weights is not None:
+            self.key_weights = self.key_weights[batch_indices]
         shared = min(self.left_padding.tolist())
         if shared <= 0:
             return
@@ -964,9 +1321,21 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
                 "Cannot batch codebook caches with different settings: "
                 f"{self._settings()} and {other._settings()}"
             )
+        self._flush()
+        other._flush()
         sizes = [c.offset.shape[0] for c in (self, other)]
         means = self._joined_means([self._means(), other._means()], sizes)
         self.key_mean, self.value_mean = means
+        weights = [self.key_weights, other.key_weights]
+        self.key_weights = self._joined_weights(weights, sizes)
+        self.exact_keys, self.exact_values = self._joined_exact(
+            [
+                (c.exact_keys, c.exact_values, c.offset.shape[0], c._exact_needed())
+                for c in (self, other)
+            ],
+            self.keep_exact,
+        )
+        self._exact_stop = None
         if self.empty() and other.empty():
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
@@ -995,11 +1364,16 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
             for stored in (keys, values)
         )
         cache.offset = self._idx - padding
+        self._extract_exact(idx, cache, cache.offset)
+        if self.key_weights is not None:
+            cache.key_weights = self.key_weights[idx : idx + 1]
         return self._extract_means(idx, cache)
 
     @classmethod
     def merge(cls, caches):
         """One batch of ``CodebookKVCache``s, left-padded to the longest."""
+        for c in caches:
+            c._flush()
         settings = [c._settings() for c in caches]
         if any(s != settings[0] for s in settings):
             raise ValueError(
@@ -1011,6 +1385,16 @@ class BatchCodebookKVCache(_CodebookKV, BatchKVCache):
         batch = cls(padding, **settings[0], page_size=caches[0].page_size)
         means = cls._joined_means([c._means() for c in caches], [1] * len(caches))
         batch.key_mean, batch.value_mean = means
+        weights = [c.key_weights for c in caches]
+        batch.key_weights = cls._joined_weights(weights, [1] * len(caches))
+        if batch.keep_exact:
+            batch.exact_keys, batch.exact_values = cls._joined_exact(
+                [
+                    (c.exact_keys, c.exact_values, 1, min(c.keep_exact, c.offset))
+                    for c in caches
+                ],
+                batch.keep_exact,
+            )
         if longest == 0:
             return batch
         stored = [c.keys_and_values() if c.offset else None for c in caches]

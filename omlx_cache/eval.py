@@ -543,13 +543,15 @@ def format_table(results: Sequence[dict]) -> str:
 
 
 def element_bits(r: dict) -> dict:
-    """(k, v) bits per element as a float16 model stores them: codebook
-    schemes as stored (their norms are float16 at this head dim), affine ones
-    with 16-bit scales and biases (a float32 run stores float32 ones) and kept
-    tokens averaged over ``AVERAGE_CONTEXT`` tokens."""
-    if r["kv"].startswith("codebook"):
+    """(k, v) bits per element as a float16 model stores them, averaged over
+    ``AVERAGE_CONTEXT`` tokens (``schemes.average_bits``: affine ones with
+    16-bit scales and biases, as a float32 run does not store them, codebook
+    ones with their float16 norms at this head dim, kept tokens, means);
+    codebook results from before that average as stored."""
+    average = r.get(f"bits_per_element_at_{AVERAGE_CONTEXT}")
+    if r["kv"].startswith("codebook") and average is None:
         return r["stored_bits_per_element"]
-    return r.get(f"bits_per_element_at_{AVERAGE_CONTEXT}", r["bits_per_element"])
+    return average or r["bits_per_element"]
 
 
 def format_passkey(r: dict) -> str:

@@ -33,7 +33,7 @@ from .center import (
     CenteredQuantizedRotatingKVCache,
     centered,
 )
-from .codebook import Affine, Codebook, CodebookKVCache, Plain
+from .codebook import NORM_BITS, Affine, Codebook, CodebookKVCache, Plain
 
 # the scales and biases of affine quantization, as a float16 / bfloat16 model stores them
 SCALE_BITS = 16
@@ -183,8 +183,11 @@ def affine_bits(bits: int, group_size: int) -> float:
 
 def layer_bits(cache) -> tuple[float, float] | None:
     """(key, value) bits per element of one layer's cache as a 16-bit model
-    stores it: affine quantized caches by their settings, plain ones 16;
+    stores it: affine quantized caches by their settings, codebook ones by
+    their codecs at their head dims (once they hold tokens), plain ones 16;
     None for other caches."""
+    if isinstance(cache, CodebookKVCache):
+        return cache.bits_per_element
     if hasattr(cache, "key_bits") and hasattr(cache, "key_group_size"):
         return (
             affine_bits(cache.key_bits, cache.key_group_size),
@@ -202,6 +205,17 @@ def residual_tokens(residual: int, tokens: int) -> int:
     if not residual or tokens < 2 * residual:
         return tokens if residual else 0
     return residual + (tokens - residual) % residual
+
+
+def per_head_bits(cache) -> tuple[int, int]:
+    """(key, value) bits per channel a codebook cache stores once per head
+    and sequence: float32 means (``center``) and key weights
+    (``key_scale``), each as much as one token of float32 elements.
+    (Affine centered caches hold means too; they are left out, as before.)"""
+    if not isinstance(cache, CodebookKVCache):
+        return (0, 0)
+    key = sum(32 for x in (cache.key_mean, cache.key_weights) if x is not None)
+    return (key, 32 if cache.value_mean is not None else 0)
 
 
 def mean_residual_tokens(residual: int, tokens: int) -> float:
@@ -222,9 +236,11 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
     keeps its first ``keep`` tokens keeps at most those unquantized; one that
     keeps none, none once it has evicted), and the recent tokens a
     ``residual`` holds unquantized (``mean_residual_tokens``) cost 16 bits
-    instead of the format's. Layers are
+    instead of the format's, and a codebook cache's float32 means and key
+    weights 32 bits per channel once (``per_head_bits``). Layers are
     assumed to have the same number of heads and head sizes. None when a
-    layer's cache is not an affine or plain one."""
+    layer's cache is not an affine, codebook or plain one (or is an empty
+    codebook one, whose head dims are not known yet)."""
     totals, elements = [0.0, 0.0], 0
     for cache in caches:
         bits = layer_bits(cache)
@@ -240,6 +256,7 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
         kept = min(kept, tokens - held)
         for i in range(2):
             totals[i] += (tokens - held) * bits[i] + (held + kept) * SCALE_BITS
+            totals[i] += per_head_bits(cache)[i]
         elements += tokens
     return tuple(t / elements for t in totals)
 
@@ -354,14 +371,22 @@ NOMINAL_HEAD_DIM = 128
 CODEBOOK_SCHEME = (
     r"codebook-(?P<key_bits>\d+)(k-(?P<affine>a?)(?P<value_bits>\d+)v)?"
     r"(-(?P<rotation>hadamard|givens|none))?(-(?P<norm>dot|length|plain))?"
+    r"(-n(?P<norm_bits>8|16))?"
     + CENTER_SUFFIX
+    + r"(?P<qscale>\+qscale(?P<qscale_mode>-q)?)?"
+    + r"(\+exact(?P<exact>\d+))?"
+    + LAYERS_SUFFIX
+    + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*))?"
 )
 
 
-def scheme_codecs(key_bits, value_bits=None, affine="", rotation=None, norm=None):
+def scheme_codecs(
+    key_bits, value_bits=None, affine="", rotation=None, norm=None, norm_bits=None
+):
     """The (key, value) codecs of a ``codebook-...`` scheme name's parts: 16
     bits is ``Plain``; ``affine`` makes the values affine (group size 64)."""
     rotation, norm = rotation or "hadamard", norm or "dot"
+    norm_bits = int(norm_bits or NORM_BITS)
 
     def one(bits, is_affine=False):
         bits = int(bits)
@@ -369,7 +394,7 @@ def scheme_codecs(key_bits, value_bits=None, affine="", rotation=None, norm=None
             return Plain()
         if is_affine:
             return Affine(bits, 64, rotation)
-        return Codebook(bits, rotation, norm)
+        return Codebook(bits, rotation, norm, norm_bits)
 
     keys = one(key_bits)
     values = keys if value_bits is None else one(value_bits, bool(affine))
@@ -378,13 +403,19 @@ def scheme_codecs(key_bits, value_bits=None, affine="", rotation=None, norm=None
 
 @register(
     CODEBOOK_SCHEME,
-    syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] "
-    "[+center|+center-kv]",
+    syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
+    "[+center|+center-kv] [+qscale|+qscale-q] [+exactN] [+kB@L.L|+kvB@L.L] [+vB@L.L]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
-    "(-givens: PlanarQuant pairs) plus a float16 norm per vector; Kk-Vv: K and V "
-    "bits (16 = unquantized), aV: affine V (Hadamard, group 64); +center: keys "
-    "minus their per-head mean of the first write, +center-kv values too; "
-    "sliding-window layers hold the whole context (same attention)",
+    "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
+    "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
+    "group 64); +center: keys minus their per-head mean of the first write, "
+    "+center-kv values too; +qscale weighs the keys' channels by the queries' "
+    "energy over the keys' (query_key_weights, set at the first attention call), "
+    "+qscale-q by the queries' alone; "
+    "+exactN keeps each sequence's first N tokens "
+    "unquantized too; +k4@1.2: the keys of layers 1 and 2 at 4 bits (+kv4@: "
+    "keys and values; +v4@: values, after +k); sliding-window layers hold the whole context (same "
+    "attention)",
 )
 def codebook(
     name,
@@ -394,15 +425,59 @@ def codebook(
     affine,
     rotation,
     norm,
+    norm_bits,
     center,
     center_values,
+    qscale=None,
+    qscale_mode=None,
+    exact=None,
+    layer_part=None,
+    layer_bits=None,
+    layers=None,
+    value_layer_bits=None,
+    value_layers=None,
 ):
-    keys, values = scheme_codecs(key_bits, value_bits, affine, rotation, norm)
+    keys, values = scheme_codecs(
+        key_bits, value_bits, affine, rotation, norm, norm_bits
+    )
     center = center_option(center, center_values)
+    keep_exact = int(exact or 0)
+    high_layers, high = (), (keys, values)
+    if layers is not None:
+        high_layers = parse_layers(layers)
+        more = scheme_codecs(layer_bits, None, "", rotation, norm, norm_bits)[0]
+        high = (more, more if layer_part == "kv" else values)
+    value_high_layers, value_high = (), values
+    if value_layers is not None:
+        value_high_layers = parse_layers(value_layers)
+        value_high = scheme_codecs(
+            value_layer_bits, None, "", rotation, norm, norm_bits
+        )[0]
+
+    def codecs(i):
+        k, v = high if i in high_layers else (keys, values)
+        return k, value_high if i in value_high_layers else v
 
     def make_cache(model):
-        layers = plain_layers(model, windows=True)
-        return [CodebookKVCache(keys, values, center=center) for _ in range(layers)]
+        n = plain_layers(model, windows=True)
+        last = max(high_layers[-1:] + value_high_layers[-1:], default=-1)
+        if last >= n:
+            raise ValueError(f"{name}: layer {last} of a model with {n} layers.")
+        return [
+            CodebookKVCache(
+                *codecs(i),
+                center=center,
+                keep_exact=keep_exact,
+                key_scale="" if qscale is None else "q" if qscale_mode else "qk",
+            )
+            for i in range(n)
+        ]
 
     bits = (c.bits_per_element(NOMINAL_HEAD_DIM) for c in (keys, values))
-    return Scheme(name, make_cache, bits_per_element=tuple(bits))
+    return Scheme(
+        name,
+        make_cache,
+        bits_per_element=tuple(bits),
+        kept_tokens=keep_exact,
+        high_layers=tuple(sorted({*high_layers, *value_high_layers})),
+    )

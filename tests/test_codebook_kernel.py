@@ -323,3 +323,31 @@ def test_batched_decode_kernel_with_left_padding():
             q, cache.key_pages, cache.value_pages, 0.1, m
         )
         assert relative_error(out, ref) < 5e-3
+
+
+def test_decode_buffer_with_weighted_keys_and_kept_tokens():
+    """Held decode tokens are weighted like the stored keys (their pages equal
+    a cache's without a buffer); a cache keeping its first tokens holds none
+    (the kernels do not read kept tokens)."""
+    mx.random.seed(5)
+    prompt = mx.random.normal((1, 2, 40, 64))
+    prompt_queries = mx.random.normal((1, 4, 40, 64))
+    steps = mx.random.normal((1, 2, 6, 64))
+    with codebook_kernel.disabled():
+        caches = [CodebookKVCache(3, center="k", key_scale="q") for _ in range(2)]
+        caches[1].decode_buffer = 4
+        for c in caches:
+            kv = c.update_and_fetch(prompt, prompt)
+            c.scaled_dot_product_attention(prompt_queries, *kv, 0.125, "causal")
+        for t in range(6):
+            for c in caches:
+                c.update_and_fetch(steps[:, :, t : t + 1], steps[:, :, t : t + 1])
+        assert caches[1].n_held == 2
+        states = [c.state for c in caches]
+        for a, b in zip(states[0][:2], states[1][:2]):
+            assert all(mx.array_equal(x, y) for x, y in zip(a, b))
+        kept = CodebookKVCache(3, keep_exact=4)
+        kept.decode_buffer = 4
+        kept.update_and_fetch(prompt, prompt)
+        kept.update_and_fetch(steps[:, :, :1], steps[:, :, :1])
+        assert kept.n_held == 0
