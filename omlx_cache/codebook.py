@@ -1045,7 +1045,6 @@ class _CodebookKV(_Centering, _PagedKV):
         """What a state holds after the pages' settings: the centering, then
         the kept tokens and the key weights where set (older states end
         before them)."""
-        self._flush()
         tail = self._center_state()
         if self.keep_exact or self.key_scale:
             tail += (self.keep_exact, self.exact_keys, self.exact_values)
@@ -1250,6 +1249,7 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
 
     @property
     def state(self):
+        self._flush()
         return (
             self._pages_state(self.key_pages),
             self._pages_state(self.value_pages),

@@ -395,6 +395,21 @@ def test_key_scale_batch_first_write_with_padding():
     assert relative_error(out[:1, :, 3:], singles[0]) < 1e-4
 
 
+def test_key_scale_batch_state_encodes_a_held_first_write():
+    # a batch's state is read before any attention call: its pages must hold
+    # the first write (weights of ones), as a single cache's do
+    mx.random.seed(14)
+    keys, values = mx.random.normal((2, 2, 2, 12, 64))
+    held = BatchCodebookKVCache([3, 0], 3, center="k", key_scale=True)
+    held.update_and_fetch(keys, values)
+    state = held.state
+    assert held._pending is None and (held.key_weights == 1).all().item()
+    plain = BatchCodebookKVCache([3, 0], 3, center="k")
+    plain.update_and_fetch(keys, values)
+    for a, b in zip(state[:2], plain.state[:2]):
+        assert all(mx.array_equal(x, y) for x, y in zip(a, b))
+
+
 class _TinyModel:
     """Two layers of plain caches, as ``plain_layers`` needs."""
 
