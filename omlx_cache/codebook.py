@@ -804,10 +804,6 @@ class _CodebookKV(_Centering, _PagedKV):
         self.key_pages.append(self.key_codec.empty_page(keys, size))
         self.value_pages.append(self.value_codec.empty_page(values, size))
 
-    def _quantize(self, keys, values):
-        keys, values = self._center(keys, values)
-        return self.key_codec.encode(keys), self.value_codec.encode(values)
-
     def _quantize_at(self, keys, values, offset, transformed=False):
         """Encode ``keys`` and ``values`` that go to position ``offset`` on,
         keeping those among the first ``keep_exact`` tokens unquantized too.

@@ -254,9 +254,10 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
         if window is not None and (keep or tokens < context):
             kept = min(kept, keep)
         kept = min(kept, tokens - held)
+        per_head = per_head_bits(cache)
         for i in range(2):
             totals[i] += (tokens - held) * bits[i] + (held + kept) * SCALE_BITS
-            totals[i] += per_head_bits(cache)[i]
+            totals[i] += per_head[i]
         elements += tokens
     return tuple(t / elements for t in totals)
 
