@@ -148,28 +148,10 @@ def givens_rotate(x: mx.array, inverse: bool = False) -> mx.array:
     return out.reshape(x.shape).astype(x.dtype)
 
 
-@lru_cache
-def _hadamard(dim: int, dtype) -> mx.array | None:
-    """The normalised Hadamard matrix (Sylvester's order) for a power of two,
-    built on the host: ``kv_rotation_matrix`` checks its matrix's
-    orthogonality on the default device, and on CUDA (TF32 matmuls) that check
-    fails at 128 and it returns its random fallback instead, which the CUDA
-    kernels (``codebook_kernel``) do not compute."""
-    if dim & (dim - 1):
-        return None
-    i = np.arange(dim)
-    signs = (np.bitwise_count(i[:, None] & i[None]) % 2).astype(np.float64)
-    return mx.array((1 - 2 * signs) / np.sqrt(dim), dtype)
-
-
 def rotate(x: mx.array, rotation: str, inverse: bool = False) -> mx.array:
     """Apply the named orthogonal rotation to the last axis of ``x`` (or undo it)."""
     if rotation == "hadamard":
-        matrix = _hadamard(x.shape[-1], x.dtype)
-        if matrix is None:
-            return kv_rotate(x, inverse=inverse)
-        # symmetric and orthogonal: its own inverse
-        return x @ matrix
+        return kv_rotate(x, inverse=inverse)
     if rotation == "givens":
         return givens_rotate(x, inverse=inverse)
     return x
