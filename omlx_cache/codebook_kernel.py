@@ -1187,7 +1187,11 @@ def attention(
     args = (queries, key_pages, value_pages, *codecs, scale, mask, length)
     if queries.shape[2] == 1:
         return decode_attention(*args, held=held)
-    return prefill_attention(*args)
+    out = prefill_attention(*args)
+    # one layer's decoded copy at a time, as patch 0016 does for affine pages:
+    # a chunk's lazy graph would hold every layer's (16 GiB at 128K, 8B shape)
+    mx.eval(out)
+    return out
 
 
 __all__ = [

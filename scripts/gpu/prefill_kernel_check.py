@@ -4,7 +4,7 @@ the MLX-ops fallback in half precision, and one layer's time for a prefill
 chunk against fp16 SDPA. One process; JSON out.
 
     python3 scripts/gpu/prefill_kernel_check.py --out $OUT/prefill.json \\
-        [--parts correctness,ops,speed]
+        [--parts correctness,ops,speed] [--head-dims 64,128,256]
 """
 
 import argparse
@@ -123,13 +123,25 @@ def correctness(report, path):
         )
         row["rel_err"] = relative_error(out, ref)
         row["dtype_ok"] = out.dtype == q.dtype
+        if q.dtype != mx.float32:
+            decoded = quantized_prefill.decoded_attention(
+                q, k_pages, v_pages, D**-0.5, T, kg, kb, vg, vb, mask=mask
+            )
+            row["decoded_rel_err"] = relative_error(decoded, ref)
         print(row, flush=True)
         report["correctness"].append(row)
         save(report, path)
     worst = max(r["rel_err"] for r in report["correctness"])
     report["worst_rel_err"] = worst
+    rows = report["correctness"]
+    report["worst_decoded_rel_err"] = max(
+        r["decoded_rel_err"] for r in rows if "decoded_rel_err" in r
+    )
     save(report, path)
     print(f"worst relative error against float32: {worst:.2e}", flush=True)
+    print(
+        f"dequantized copy + SDPA: {report['worst_decoded_rel_err']:.2e}", flush=True
+    )
 
 
 def ops(report, path):
@@ -168,17 +180,18 @@ def per_call_ms(fn, n=4, reps=5):
     return round(best * 1e3, 3)
 
 
-def speed(report, path, contexts):
-    """One layer, 32 q / 8 kv heads, D=128: the last 2,048 positions of a
-    context attend (causal) to all of it, as a prefill chunk does."""
+def speed(report, path, contexts, head_dims=(128,)):
+    """One layer, 32 q / 8 kv heads, D=128 (and the other ``head_dims``): the
+    last 2,048 positions of a context attend (causal) to all of it, as a
+    prefill chunk does; fp16 SDPA, the kernel and the dequantized copy."""
     report["speed"] = []
-    n_q, n_kv, D, L = 32, 8, 128, 2048
-    for T in contexts:
+    n_q, n_kv, L = 32, 8, 2048
+    for D, T in ((D, T) for D in head_dims for T in contexts):
         q = mx.random.normal((1, n_q, L, D)).astype(mx.float16)
         k = mx.random.normal((1, n_kv, T, D)).astype(mx.float16)
         v = mx.random.normal((1, n_kv, T, D)).astype(mx.float16)
         mx.eval(q, k, v)
-        row = {"context": T, "queries": L}
+        row = {"context": T, "queries": L, "head_dim": D}
         sdpa = partial(
             mx.fast.scaled_dot_product_attention, q, k, v, scale=D**-0.5, mask="causal"
         )
@@ -193,6 +206,12 @@ def speed(report, path, contexts):
                 mask="causal",
             )
             row[f"kernel_{kb},{vb}_ms"] = per_call_ms(kernel)
+            decoded = partial(
+                quantized_prefill.decoded_attention,
+                *(q, k_pages, v_pages, D**-0.5, T, 64, kb, 64, vb),
+                mask="causal",
+            )
+            row[f"decoded_{kb},{vb}_ms"] = per_call_ms(decoded)
         flops = 4 * n_q * D * L * (T - L / 2)
         row["fp16_sdpa_tflops"] = round(flops / row["fp16_sdpa_ms"] / 1e9, 1)
         row["kernel_8,4_tflops"] = round(flops / row["kernel_8,4_ms"] / 1e9, 1)
@@ -208,13 +227,15 @@ def main():
     parser.add_argument("--out", default="prefill-kernel.json")
     parser.add_argument("--parts", default="correctness,ops,speed")
     parser.add_argument("--contexts", default="4096,32768,131072")
+    parser.add_argument("--head-dims", default="128")
     args = parser.parse_args()
     report = {"device": str(mx.default_device()), "mlx": mx.__version__}
     contexts = [int(c) for c in args.contexts.split(",")]
+    head_dims = [int(d) for d in args.head_dims.split(",")]
     parts = {
         "correctness": correctness,
         "ops": ops,
-        "speed": partial(speed, contexts=contexts),
+        "speed": partial(speed, contexts=contexts, head_dims=head_dims),
     }
     for name in args.parts.split(","):
         if name not in parts:
