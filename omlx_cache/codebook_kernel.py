@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import quantized_decode as qd
 
-from .codebook import Codebook, lloyd_max
+from .codebook import NORM_BITS, Codebook, lloyd_max
 
 WARPS = 4
 COMBINE_WARPS = 8
@@ -889,8 +889,12 @@ def _on_cuda() -> bool:
 
 
 def _rotates(codec) -> bool | None:
-    """Whether a codec the kernels take is rotated (None: not taken)."""
+    """Whether a codec the kernels take is rotated (None: not taken). The
+    kernels read and write float16 norms: 8-bit ones (``-n8``) take the ops
+    path."""
     if not isinstance(codec, Codebook) or codec.bits not in (3, 4):
+        return None
+    if codec.norm_bits != NORM_BITS:
         return None
     if codec.rotation not in ("hadamard", "none"):
         return None
@@ -967,6 +971,8 @@ def encode(x: mx.array, codec) -> tuple[mx.array, mx.array]:
             ("BITS", codec.bits),
             ("ROT", codec.rotation == "hadamard"),
             ("NORM", norm),
+            # the input's type is part of the signature, so of the kernel's name
+            ("XT", x.dtype),
         ],
         grid=(blocks * ENCODE_WARPS * 32, 1, 1),
         threadgroup=(ENCODE_WARPS * 32, 1, 1),
@@ -1052,10 +1058,14 @@ def _combine(values, maxes, sums, dtype, shape, rotate_back):
 
 
 @functools.cache
-def _template(D, G, KB, VB, RK, RV, NKV, MASK, MB):
-    """The decode kernel's template arguments (made once per kind of call)."""
+def _template(D, G, KB, VB, RK, RV, NKV, MASK, MB, QT, MT, HT):
+    """The decode kernel's template arguments (made once per kind of call).
+    The types of the queries, the mask and the held tokens are part of the
+    kernel's signature, so they must be part of its name (MLX caches a
+    compiled kernel by its name)."""
     names = ("D", "G", "KB", "VB", "RK", "RV", "NKV", "MASK", "MB", "WARPS")
-    return tuple(zip(names, (D, G, KB, VB, RK, RV, NKV, MASK, MB, WARPS)))
+    values = (D, G, KB, VB, RK, RV, NKV, MASK, MB, WARPS)
+    return (*zip(names, values), ("QT", QT), ("MT", MT), ("HT", HT))
 
 
 @functools.cache
@@ -1111,6 +1121,9 @@ def decode_attention(
         n_kv_heads,
         qd._mask_kind(mask, B, length + n_held),
         mask is not None and not isinstance(mask, str) and mask.shape[0] > 1,
+        queries.dtype,
+        mask.dtype if isinstance(mask, mx.array) else mx.bool_,
+        held_keys.dtype,
     )
     if mask is None or isinstance(mask, str):
         mask = qd._no_mask()

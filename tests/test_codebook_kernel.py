@@ -178,6 +178,25 @@ def test_kernels_stay_out_of_the_way_off_cuda():
         )
 
 
+def test_kernels_take_only_float16_norms():
+    # the kernels write and read float16 norms: 8-bit ones take the ops path
+    assert codebook_kernel._rotates(Codebook(3)) is True
+    assert codebook_kernel._rotates(Codebook(3, "none")) is False
+    assert codebook_kernel._rotates(Codebook(3, norm_bits=8)) is None
+
+
+def test_decode_kernel_name_says_its_input_types():
+    # MLX caches a compiled kernel by its name: inputs of other types need
+    # another name, or they are read as the first call's types
+    shape = (128, 4, 3, 3, True, True, 8, 0, False)
+    names = {
+        codebook_kernel._template(*shape, q, m, q)
+        for q in (mx.float16, mx.bfloat16)
+        for m in (mx.bool_, mx.float32)
+    }
+    assert len(names) == 4
+
+
 @pytest.mark.parametrize("center", ["", "kv"])
 def test_decode_buffer_changes_nothing_but_when_tokens_are_encoded(center):
     """Held decode tokens (forced on here; on CUDA by default) are encoded
