@@ -23,11 +23,14 @@ Restoring copies the blocks' slices into one array per part and rebuilds the
 caches with ``from_state``: nothing is quantized again.
 """
 
+import functools
 import hashlib
 import json
+import math
 import os
 import re
 import secrets
+import threading
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +61,11 @@ DTYPES = {
     "I8": (mx.int8, np.int8),
 }
 DTYPE_NAMES = {mx_dtype: name for name, (mx_dtype, _) in DTYPES.items()}
+NUMPY_DTYPES = {name: np.dtype(np_dtype) for name, (_, np_dtype) in DTYPES.items()}
+# numpy dtype: the mlx dtype of an array whose memory it can view
+HOLDERS = {np.dtype(np_dtype): mx_dtype for mx_dtype, np_dtype in DTYPES.values()}
+HOLDERS[np.dtype(np.uint16)] = mx.uint16
+FILL_STREAMS = min(8, os.cpu_count() or 1)
 
 
 class BadBlock(Exception):
@@ -139,12 +147,32 @@ def sync_directory(directory: Path):
         os.close(fd)
 
 
-def read_block(path: Path) -> tuple[dict, dict, int]:
+class ReadBuffer:
+    """Memory that block files are read into, reused from one file to the
+    next: fresh memory for every file costs a page fault every 4 KiB."""
+
+    def __init__(self):
+        self.data = bytearray()
+
+    def read(self, path: Path) -> memoryview:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if len(self.data) < size:
+                self.data = bytearray(size)
+            view = memoryview(self.data)[:size]
+            got = 0
+            while got < size and (n := f.readinto(view[got:])):
+                got += n
+        return view[:got]
+
+
+def read_block(path: Path, buffer: ReadBuffer | None = None) -> tuple[dict, dict, int]:
     """(metadata, {name: (dtype, numpy array)}, file size) of a block file
     whose CRC and tensor layout check out, else BadBlock. The arrays view the
-    file's bytes. A missing file raises FileNotFoundError."""
+    file's bytes: in ``buffer`` if given (valid until its next read), else in
+    memory of their own. A missing file raises FileNotFoundError."""
     try:
-        data = path.read_bytes()
+        data = memoryview(path.read_bytes()) if buffer is None else buffer.read(path)
     except FileNotFoundError:
         raise
     except OSError as e:
@@ -154,7 +182,7 @@ def read_block(path: Path) -> tuple[dict, dict, int]:
     n = int.from_bytes(data[:8], "little")
     if n > len(data) - 8:
         raise BadBlock("truncated (header)")
-    raw = data[8 : 8 + n]
+    raw = bytes(data[8 : 8 + n])
     try:
         header = json.loads(raw)
         metadata = header.pop("__metadata__")
@@ -166,8 +194,7 @@ def read_block(path: Path) -> tuple[dict, dict, int]:
     zeroed = raw.replace(
         CRC_FIELD.format(crc).encode(), CRC_FIELD.format(NO_CRC).encode(), 1
     )
-    view = memoryview(data)
-    found = zlib.crc32(view[8 + n :], zlib.crc32(zeroed, zlib.crc32(view[:8])))
+    found = zlib.crc32(data[8 + n :], zlib.crc32(zeroed, zlib.crc32(data[:8])))
     if f"{found:08x}" != crc:
         raise BadBlock("CRC mismatch (corrupt or truncated)")
     tensors, end = {}, 0
@@ -178,8 +205,10 @@ def read_block(path: Path) -> tuple[dict, dict, int]:
                 info["shape"],
                 info["data_offsets"],
             )
-            np_dtype = np.dtype(DTYPES[dtype][1])
-            count = int(np.prod(shape, dtype=np.int64))
+            np_dtype = NUMPY_DTYPES[dtype]
+            if not all(type(d) is int and d >= 0 for d in shape):
+                raise ValueError
+            count = math.prod(shape)
             if start != end or stop - start != count * np_dtype.itemsize:
                 raise ValueError
             array = np.frombuffer(data, np_dtype, count, offset=8 + n + start)
@@ -192,11 +221,13 @@ def read_block(path: Path) -> tuple[dict, dict, int]:
     return metadata, tensors, len(data)
 
 
-def verify_block(path: Path, key: str, parent: str | None = None, index=None):
+def verify_block(
+    path: Path, key: str, parent: str | None = None, index=None, buffer=None
+):
     """``read_block``, and the metadata checked: the format, the key, the hash
     (the file's name, and the hash of the parent and the stored tokens) and,
     when given, the parent and the index in the chain."""
-    metadata, tensors, size = read_block(path)
+    metadata, tensors, size = read_block(path, buffer)
     expected = {"format": FORMAT, "version": str(FORMAT_VERSION), "key": key}
     expected["hash"] = path.name.removesuffix(SUFFIX)
     if parent is not None:
@@ -394,52 +425,78 @@ class Plan:
     """Restoring a chain of blocks (full ones of ``block_tokens`` tokens, the
     last possibly partial): per layer, one array per part for all its tokens,
     into which each block is copied, and what every block must share with the
-    first (classes and settings)."""
+    first (classes and settings).
+
+    The arrays are MLX's, written through numpy views of their memory: there
+    is no copy from numpy into MLX at the end. ``allocate`` makes them;
+    ``copy`` waits for them, so blocks can be read and checked meanwhile."""
 
     def __init__(self, metadata: dict, tensors: dict, length: int, block_tokens: int):
         self.block_tokens = block_tokens
-        self.described = json.loads(metadata["layers"])
+        self.layers_text = metadata["layers"]
+        self.described = json.loads(self.layers_text)
         first = len(tensors["tokens"][1])
         self.layers = []
+        self.shapes = {}  # part name ("n.keys.j"): (dtype, shape, numpy dtype)
         for n, d in enumerate(self.described):
             cls = cache_class(d["class"])
             if cls is None or layout_of(cls).name != d["layout"]:
                 raise BadBlock(f"unknown cache class {d['class']!r}")
-            dest = {}
+            names = {}
             for kind in ("keys", "values"):
-                dest[kind] = []
-                for j in range(int(d[kind])):
-                    dtype, x = tensors[f"{n}.{kind}.{j}"]
+                names[kind] = [f"{n}.{kind}.{j}" for j in range(int(d[kind]))]
+                for name in names[kind]:
+                    dtype, x = tensors[name]
                     if x.ndim < 2 or x.shape[-2] != first:
-                        raise BadBlock(f"{n}.{kind}.{j} does not hold {first} tokens")
+                        raise BadBlock(f"{name} does not hold {first} tokens")
                     shape = (*x.shape[:-2], length, x.shape[-1])
-                    dest[kind].append((dtype, np.empty(shape, x.dtype)))
+                    self.shapes[name] = (dtype, shape, x.dtype)
             settings, j = [], 0
             while f"{n}.settings.{j}" in tensors:
                 settings.append(tensors[f"{n}.settings.{j}"])
                 j += 1
-            self.layers.append((cls, d, dest, settings))
+            self.layers.append((cls, d, names, settings))
+        self.arrays = {}
+        self.views = {}
+        self._allocated = threading.Event()
 
     @classmethod
     def from_block(cls, metadata, tensors, length: int, block_tokens: int):
         """The plan for ``length`` tokens from the chain's first block."""
         try:
-            plan = cls(metadata, tensors, length, block_tokens)
+            return cls(metadata, tensors, length, block_tokens)
         except (KeyError, TypeError, ValueError) as e:
             raise BadBlock(f"bad layer description ({type(e).__name__})") from None
-        plan.copy(0, tensors)
-        return plan
+
+    def allocate(self):
+        """Every part's array, zeroed by MLX on CPU streams (in unified memory
+        on CUDA; several streams, as first touching fresh memory is most of
+        the cost), and its numpy view."""
+        try:
+            streams = fill_streams()
+            loads = [0] * len(streams)
+            for name, (_, shape, np_dtype) in self.shapes.items():
+                s = loads.index(min(loads))
+                loads[s] += np_dtype.itemsize * math.prod(shape)
+                holder = HOLDERS[np_dtype]
+                self.arrays[name] = mx.zeros(shape, holder, stream=streams[s])
+            mx.eval(list(self.arrays.values()))
+            self.views = {name: np.asarray(x) for name, x in self.arrays.items()}
+        finally:
+            self._allocated.set()
 
     def matches(self, metadata: dict, tensors: dict) -> bool:
         """Whether a later block has the first's classes and settings (a block
         of another sequence with other settings, e.g. a centered cache's means,
         ends the chain without being a fault)."""
-        try:
-            described = json.loads(metadata["layers"])
-        except (KeyError, ValueError):
-            raise BadBlock("bad layer description") from None
-        if described != self.described:
-            return False
+        text = metadata.get("layers")
+        if text != self.layers_text:
+            try:
+                described = json.loads(text)
+            except (TypeError, ValueError):
+                raise BadBlock("bad layer description") from None
+            if described != self.described:
+                return False
         for n, (_, _, _, settings) in enumerate(self.layers):
             for j, (dtype, x) in enumerate(settings):
                 other = tensors.get(f"{n}.settings.{j}")
@@ -452,27 +509,31 @@ class Plan:
         return True
 
     def copy(self, i: int, tensors: dict):
-        """Copy block ``i``'s slices into place (BadBlock if they do not fit)."""
+        """Copy block ``i``'s slices into place (BadBlock if they do not fit),
+        once the arrays are allocated."""
         start = i * self.block_tokens
         count = len(tensors["tokens"][1])
+        self._allocated.wait()
+        if len(self.views) != len(self.shapes):
+            raise RuntimeError("the arrays of the restore were not allocated")
         try:
-            for n, (_, _, dest, _) in enumerate(self.layers):
-                for kind, parts in dest.items():
-                    for j, (dtype, array) in enumerate(parts):
-                        got, x = tensors[f"{n}.{kind}.{j}"]
-                        fits = x.shape[:-2] == array.shape[:-2] and x.shape[-2] == count
-                        if got != dtype or not fits or start + count > array.shape[-2]:
-                            raise ValueError
-                        array[..., start : start + count, :] = x
+            for name, (dtype, shape, _) in self.shapes.items():
+                got, x = tensors[name]
+                fits = x.shape[:-2] == shape[:-2] and x.shape[-2] == count
+                if got != dtype or not fits or start + count > shape[-2]:
+                    raise ValueError
+                self.views[name][..., start : start + count, :] = x
         except (KeyError, ValueError):
             raise BadBlock("its arrays do not match the first block's") from None
 
     def build(self, length: int) -> list:
-        """The caches of the chain's first ``length`` tokens."""
+        """The caches of the chain's first ``length`` tokens (the numpy views
+        are dropped: nothing writes to the arrays after this)."""
+        self.views = {}
         caches = []
-        for cls, d, dest, settings in self.layers:
+        for cls, d, names, settings in self.layers:
             keys, values = (
-                tuple(to_mlx(dtype, a[..., :length, :]) for dtype, a in dest[kind])
+                tuple(self.restored(name, length) for name in names[kind])
                 for kind in ("keys", "values")
             )
             if d["plain"]:
@@ -481,4 +542,18 @@ class Plan:
             settings = restore_settings(d["settings"], arrays)
             layout = layout_of(cls)
             caches.append(layout.build(cls, keys, values, length, settings))
+        self.arrays = {}
         return caches
+
+    def restored(self, name: str, length: int) -> mx.array:
+        """A part's array of the first ``length`` tokens, in its stored type."""
+        x = self.arrays[name]
+        if length < x.shape[-2]:
+            x = mx.contiguous(x[..., :length, :])
+        return x.view(mx.bfloat16) if self.shapes[name][0] == "BF16" else x
+
+
+@functools.cache
+def fill_streams() -> list:
+    """CPU streams that zero a restore's arrays in parallel."""
+    return [mx.new_stream(mx.cpu) for _ in range(FILL_STREAMS)]

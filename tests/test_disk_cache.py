@@ -18,7 +18,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import make_prompt_cache_tier
 from tiny_llama import make_model
 
-from omlx_cache.blocks import read_block, token_slice
+from omlx_cache.blocks import BadBlock, ReadBuffer, read_block, token_slice
 from omlx_cache.center import CenteredQuantizedKVCache
 from omlx_cache.codebook import CodebookKVCache
 from omlx_cache.disk_cache import DiskPromptCache, check_directory, main
@@ -111,6 +111,23 @@ def test_round_trip(model, tokens, tmp_path, kind):
     logits = prefill(model, restored, tokens[n:280])
     assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item()
     assert mx.array_equal(logits.argmax(-1), expected.argmax(-1)).item()
+
+
+@pytest.mark.parametrize("kind", ["fp", "8,4"])
+def test_round_trip_bfloat16(tokens, tmp_path, kind):
+    """bfloat16 has no numpy type: its bits travel as uint16 and come back
+    as bfloat16."""
+    model = make_model()
+    model.set_dtype(mx.bfloat16)
+    cache = stored(model, tokens, kind, 250)
+    keys = cache[0].state[0]
+    assert (keys if kind == "fp" else keys[1]).dtype == mx.bfloat16  # scales
+    writer = tier(tmp_path)
+    writer.insert(MODEL, tokens[:250], cache)
+    writer.flush()
+    restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
+    assert n == 250
+    assert_same_cache(cache, restored, n)
 
 
 def test_residual_cache_is_not_stored(model, tokens, tmp_path):
@@ -206,13 +223,15 @@ def bad_header(path):
 @pytest.mark.parametrize("damage", [corrupt, truncate, garbage, bad_header])
 def test_bad_block_is_skipped_and_removed(model, tokens, tmp_path, caplog, damage):
     t = tier(tmp_path)
-    t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
+    cache = stored(model, tokens, "8,4", 250)
+    t.insert(MODEL, tokens[:250], cache)
     t.flush()
     victim = block_files(tmp_path)[3]
     damage(victim)
     with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
-        _, n = tier(tmp_path).fetch(MODEL, tokens, 0)
+        restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
     assert n == 3 * B  # the blocks before the bad one
+    assert_same_cache(cache, restored, n)
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and victim.name in warnings[0].getMessage()
     assert "\n" not in warnings[0].getMessage()
@@ -233,6 +252,26 @@ def test_foreign_block_is_skipped_and_removed(model, tokens, tmp_path, caplog):
     assert n == 2 * B
     assert [r.getMessage() for r in caplog.records if "key differs" in r.getMessage()]
     assert not victim.exists()
+
+
+def test_read_buffer_is_reused_across_files(model, tokens, tmp_path):
+    """Blocks read into one buffer (a tail, then full blocks, then the tail
+    again) parse as they do read on their own, and a corrupt one still fails
+    its CRC."""
+    t = tier(tmp_path)
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
+    t.flush()
+    files = block_files(tmp_path)
+    buffer = ReadBuffer()
+    for i in (7, 0, 1, 7):
+        metadata, tensors, size = read_block(files[i], buffer)
+        alone = read_block(files[i])
+        assert metadata == alone[0] and size == alone[2] == files[i].stat().st_size
+        for name, (dtype, x) in tensors.items():
+            assert dtype == alone[1][name][0] and (x == alone[1][name][1]).all()
+    corrupt(files[1])
+    with pytest.raises(BadBlock, match="CRC"):
+        read_block(files[1], buffer)
 
 
 def test_check_directory(model, tokens, tmp_path, capsys):
