@@ -65,7 +65,7 @@ NUMPY_DTYPES = {name: np.dtype(np_dtype) for name, (_, np_dtype) in DTYPES.items
 # numpy dtype: the mlx dtype of an array whose memory it can view
 HOLDERS = {np.dtype(np_dtype): mx_dtype for mx_dtype, np_dtype in DTYPES.values()}
 HOLDERS[np.dtype(np.uint16)] = mx.uint16
-FILL_STREAMS = min(8, os.cpu_count() or 1)
+FILL_STREAMS = min(16, os.cpu_count() or 1)
 
 
 class BadBlock(Exception):

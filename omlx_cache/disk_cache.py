@@ -71,7 +71,7 @@ DEFAULT_MAX_BYTES = 10 << 30
 MAX_PENDING_BYTES = 1 << 30
 HASH_NAME = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
 TEMP_NAME = re.compile(r"[0-9a-f]{64}\.(\d+)\.[0-9a-f]+\.tmp")
-READ_THREADS = min(8, os.cpu_count() or 1)
+READ_THREADS = min(16, os.cpu_count() or 1)
 
 log = logging.getLogger(__name__)
 
