@@ -4,7 +4,7 @@ the MLX-ops fallback in half precision, and one layer's time for a prefill
 chunk against fp16 SDPA. One process; JSON out.
 
     python3 scripts/gpu/prefill_kernel_check.py --out $OUT/prefill.json \\
-        [--parts correctness,ops,speed] [--head-dims 64,128,256]
+        [--parts correctness,ops,speed,memory] [--head-dims 64,128,256]
 """
 
 import argparse
@@ -139,9 +139,7 @@ def correctness(report, path):
     )
     save(report, path)
     print(f"worst relative error against float32: {worst:.2e}", flush=True)
-    print(
-        f"dequantized copy + SDPA: {report['worst_decoded_rel_err']:.2e}", flush=True
-    )
+    print(f"dequantized copy + SDPA: {report['worst_decoded_rel_err']:.2e}", flush=True)
 
 
 def ops(report, path):
@@ -222,6 +220,54 @@ def speed(report, path, contexts, head_dims=(128,)):
         mx.clear_cache()
 
 
+def memory(report, path, context=131072):
+    """One layer's prefill call at ``context`` keys (2,048 queries, 32 q / 8
+    kv heads, D=128) through ``base.quantized_scaled_dot_product_attention``:
+    the memory it adds while it runs and its time, for the fused kernel and
+    for the dequantized copy under several ``DECODED_BYTES``."""
+    report["memory"] = []
+    n_q, n_kv, D, L = 32, 8, 128, 2048
+    q = mx.random.normal((1, n_q, L, D)).astype(mx.float16)
+    default = quantized_prefill.DECODED_BYTES
+    for kb, vb in ((4, 4), (8, 4)):
+        k_pages, v_pages = (
+            [tuple(mx.quantize(x.astype(mx.float16), group_size=64, bits=b))]
+            for x, b in (
+                (mx.random.normal((1, n_kv, context, D)), kb),
+                (mx.random.normal((1, n_kv, context, D)), vb),
+            )
+        )
+        mx.eval(q, k_pages, v_pages)
+        for budget in (0, 1 << 30, 1 << 28, 1 << 26):
+            quantized_prefill.DECODED_BYTES = budget
+            for _ in range(3):
+                mx.synchronize()
+                before = mx.get_active_memory()
+                mx.reset_peak_memory()
+                start = time.perf_counter()
+                out = base.quantized_scaled_dot_product_attention(
+                    q, k_pages, v_pages, D**-0.5, "causal", 64, kb, 64, vb, context
+                )
+                mx.eval(out)
+                ms = (time.perf_counter() - start) * 1e3
+                added = mx.get_peak_memory() - before
+                del out
+            row = {
+                "bits": [kb, vb],
+                "context": context,
+                "path": "kernel" if budget == 0 else "decoded",
+                "decoded_bytes": budget,
+                "added_mib": added / 2**20,
+                "ms": round(ms, 2),
+            }
+            print(row, flush=True)
+            report["memory"].append(row)
+            save(report, path)
+        quantized_prefill.DECODED_BYTES = default
+        del k_pages, v_pages
+        mx.clear_cache()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="prefill-kernel.json")
@@ -236,6 +282,7 @@ def main():
         "correctness": correctness,
         "ops": ops,
         "speed": partial(speed, contexts=contexts, head_dims=head_dims),
+        "memory": memory,
     }
     for name in args.parts.split(","):
         if name not in parts:
