@@ -45,4 +45,12 @@ def test_rows(generate_speed, tmp_path, monkeypatch):
 
 def test_bad_scheme_option(generate_speed):
     with pytest.raises(ValueError, match="unknown scheme options"):
-        generate_speed.parse("8,4/x1")
+        generate_speed.parse("8,4/z1")
+    with pytest.raises(ValueError, match="unknown scheme options"):
+        generate_speed.parse("8,4/xa")
+
+
+def test_kept_and_residual_options(generate_speed):
+    assert generate_speed.parse("8,4/x16/res64") == ((8, 4), None, None, 16, 64)
+    assert generate_speed.parse("4") == (4, None, None, 0, 0)
+    assert generate_speed.parse("4/x4/nocopy") == (4, None, None, 4, 0)

@@ -17,6 +17,7 @@ pages of 4,096 tokens).
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -24,6 +25,7 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models import quantized_prefill
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from omlx_cache import bench
@@ -32,7 +34,11 @@ from omlx_cache.schemes import get_scheme
 
 
 def parse(name: str):
-    """(kv_bits or None, decode_buffer or None, reserve or None)."""
+    """(kv_bits or None, decode_buffer or None, reserve or None, kept first
+    tokens, residual): options after the bits are ``h0`` (no held decode
+    tokens), ``r0`` (no reservation), ``xN`` (``--kv-keep-exact N``),
+    ``resN`` (``--kv-residual N``) and ``nocopy`` (prefill without patch
+    0020's dequantized copy: the fused kernel or the MLX-ops path)."""
     base, *options = name.split("/")
     bits = None
     if base != "fp16" and not base.startswith("codebook"):
@@ -40,14 +46,31 @@ def parse(name: str):
         bits = bits if len(bits) == 2 else bits[0]
     held = 0 if "h0" in options else None
     reserve = 0 if "r0" in options else None
-    unknown = set(options) - {"h0", "r0"}
+    counts = {"x": 0, "res": 0}
+    unknown = set(options) - {"h0", "r0", "nocopy"}
+    for option in sorted(unknown):
+        for prefix in counts:
+            if option.startswith(prefix) and option[len(prefix) :].isdigit():
+                counts[prefix] = int(option[len(prefix) :])
+                unknown.discard(option)
     if unknown:
         raise ValueError(f"unknown scheme options {sorted(unknown)} in {name!r}")
-    return bits, held, reserve
+    return bits, held, reserve, counts["x"], counts["res"]
+
+
+@contextlib.contextmanager
+def prefill_copy(on: bool):
+    """Patch 0020's dequantized prefill copy on (as is) or off."""
+    budget = quantized_prefill.DECODED_BYTES
+    quantized_prefill.DECODED_BYTES = budget if on else 0
+    try:
+        yield
+    finally:
+        quantized_prefill.DECODED_BYTES = budget
 
 
 def run(model, name, context, tokens, vocab):
-    bits, held, reserve = parse(name)
+    bits, held, reserve, keep_exact, residual = parse(name)
     prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
     if name.startswith("codebook"):
         cache = get_scheme(name.split("/")[0]).make_cache(model)
@@ -57,14 +80,16 @@ def run(model, name, context, tokens, vocab):
             else:
                 c.page_size = context + min(tokens, 4096)
     else:
-        cache = make_prompt_cache(model, kv_bits=bits)
+        cache = make_prompt_cache(
+            model, kv_bits=bits, kv_keep_exact=keep_exact, kv_residual=residual
+        )
         if reserve is not None:
             for c in cache:
                 c.reserve = reserve
     mx.clear_cache()
     mx.reset_peak_memory()
     times = []
-    with bench.decode_buffer(held):
+    with bench.decode_buffer(held), prefill_copy("nocopy" not in name.split("/")):
         start = time.perf_counter()
         for _ in generate_step(
             prompt,
