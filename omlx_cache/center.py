@@ -34,18 +34,24 @@ from mlx_lm.models.cache import (
 CENTERS = ("k", "kv")
 
 
+def check_choice(value, name: str, choices: tuple, default: str) -> str:
+    """``""`` (off: None, False or ``""``), ``default`` (True) or one of
+    ``choices`` from the setting ``name``, else ValueError."""
+    if value is None or value is False or value == "":
+        return ""
+    if value is True:
+        return default
+    if value in choices:
+        return value
+    raise ValueError(
+        f"{name} must be one of {choices}, True or off (None, False, ''), "
+        f"got {value!r}."
+    )
+
+
 def check_center(center) -> str:
     """``""`` (off), ``"k"`` or ``"kv"`` from a setting; True means ``"k"``."""
-    if center is None or center is False or center == "":
-        return ""
-    if center is True:
-        return "k"
-    if center in CENTERS:
-        return center
-    raise ValueError(
-        f"center must be one of {CENTERS}, True or off (None, False, ''), "
-        f"got {center!r}."
-    )
+    return check_choice(center, "center", CENTERS, "k")
 
 
 def check_center_state(center, key_mean, value_mean) -> str:

@@ -51,7 +51,13 @@ from mlx_lm.models.cache import (
     register_cache_class,
 )
 
-from .center import _Centering, _repeat_heads, check_center_state, first_write_mean
+from .center import (
+    _Centering,
+    _repeat_heads,
+    check_center_state,
+    check_choice,
+    first_write_mean,
+)
 
 ROTATIONS = ("hadamard", "givens", "none")
 # how the stored norm scales the decoded unit vector (see ``Codebook``)
@@ -617,15 +623,7 @@ KEY_SCALES = ("q", "qk")
 
 def check_key_scale(key_scale) -> str:
     """``""`` (off), ``"q"`` or ``"qk"`` from a setting; True means ``"qk"``."""
-    if key_scale is None or key_scale is False or key_scale == "":
-        return ""
-    if key_scale is True:
-        return "qk"
-    if key_scale in KEY_SCALES:
-        return key_scale
-    raise ValueError(
-        f"key_scale must be one of {KEY_SCALES} or off, got {key_scale!r}."
-    )
+    return check_choice(key_scale, "key_scale", KEY_SCALES, "qk")
 
 
 def query_key_weights(keys, queries=None, start=None, stop=None, mode="qk"):
