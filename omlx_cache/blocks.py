@@ -31,6 +31,7 @@ import os
 import re
 import secrets
 import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from . import center as _center  # noqa: F401  (defines the centered caches)
+from . import unified_memory
 from .codebook import CodebookKVCache
 
 FORMAT = "omlx-prefix-block"
@@ -153,8 +155,16 @@ class ReadBuffer:
 
     def __init__(self):
         self.data = bytearray()
+        self.seconds = 0.0  # spent reading
 
     def read(self, path: Path) -> memoryview:
+        start = time.perf_counter()
+        try:
+            return self._read(path)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _read(self, path: Path) -> memoryview:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if len(self.data) < size:
@@ -469,10 +479,20 @@ class Plan:
             raise BadBlock(f"bad layer description ({type(e).__name__})") from None
 
     def allocate(self):
-        """Every part's array, zeroed by MLX on CPU streams (in unified memory
-        on CUDA; several streams, as first touching fresh memory is most of
-        the cost), and its numpy view."""
+        """Every part's array and its numpy view. On CUDA the arrays are
+        zeroed by the GPU and moved to host memory in bulk; elsewhere zeroed
+        by MLX on CPU streams (several, as first touching fresh memory is
+        most of the cost)."""
         try:
+            if unified_memory.available():
+                self.arrays = {
+                    name: mx.zeros(shape, HOLDERS[np_dtype])
+                    for name, (_, shape, np_dtype) in self.shapes.items()
+                }
+                mx.eval(list(self.arrays.values()))
+                unified_memory.prefetch_to_host(self.arrays.values())
+                self.views = {name: np.asarray(x) for name, x in self.arrays.items()}
+                return
             streams = fill_streams()
             loads = [0] * len(streams)
             for name, (_, shape, np_dtype) in self.shapes.items():

@@ -40,6 +40,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from . import unified_memory
 from .bench.common import log, write_json
 from .bench.models import REPO_ROOT
 from .bench.run import device_info, versions
@@ -416,7 +417,12 @@ def run_synthetic(options) -> dict:
             "store_s": store_s,
             "ttft_without_s": ttft_without,
         }
-        for page_cache in ("cold", "warm"):
+        # "plain": warm, without moving the arrays to the GPU ahead of use
+        cases = (
+            ("cold", "warm", "plain") if options.compare_prefetch else ("cold", "warm")
+        )
+        for page_cache in cases:
+            unified_memory.ENABLED = page_cache != "plain"
             log(
                 f"disk_bench: {scheme}: second prompt restored ({page_cache} page cache)"
             )
@@ -431,6 +437,9 @@ def run_synthetic(options) -> dict:
             restore_s = time.perf_counter() - start
             logits = prefill(cache, second[n:])
             ttft_with = time.perf_counter() - start
+            for phase, seconds in restarted.last_restore.items():
+                row[f"{phase.removesuffix('_s')}_{page_cache}_s"] = seconds
+            row[f"suffix_{page_cache}_s"] = ttft_with - restore_s
             answer_with = greedy(cache, logits, options.answer_tokens)
             row[f"restore_{page_cache}_s"] = restore_s
             row[f"ttft_with_{page_cache}_s"] = ttft_with
@@ -508,6 +517,22 @@ def print_synthetic(rows):
             f"| {r['ttft_with_warm_s']:.2f} | {r['speedup_cold']:.1f}x "
             f"| {r['speedup_warm']:.1f}x | {'yes' if same else 'NO'} |"
         )
+    for r in rows:
+        for case in ("cold", "warm", "plain"):
+            if f"read_{case}_s" not in r:
+                continue
+            prefetch = r[f"prefetch_{case}_s"]
+            print(
+                f"  {r['scheme']} {case}: allocate {r[f'allocate_{case}_s']:.3f} s, "
+                f"read {r[f'read_{case}_s']:.3f} s, prefetch "
+                f"{'-' if prefetch is None else f'{prefetch:.3f} s'}, "
+                f"restore {r[f'restore_{case}_s']:.3f} s, "
+                f"threads read/check/copy {r[f'read_busy_{case}_s']:.2f}/"
+                f"{r[f'check_busy_{case}_s']:.2f}/{r[f'copy_busy_{case}_s']:.2f} s, "
+                f"suffix {r[f'suffix_{case}_s']:.3f} s, "
+                f"first token {r[f'ttft_with_{case}_s']:.3f} s "
+                f"({r[f'speedup_{case}']:.1f}x)"
+            )
 
 
 def main(argv=None):
@@ -526,6 +551,11 @@ def main(argv=None):
     synthetic.add_argument("--suffix", type=int, default=32)
     synthetic.add_argument("--prefill-step", type=int, default=2048)
     synthetic.add_argument("--answer-tokens", type=int, default=8)
+    synthetic.add_argument(
+        "--compare-prefetch",
+        action="store_true",
+        help="also restore warm without moving the arrays to the GPU ahead of use",
+    )
     for p in (server, synthetic):
         p.add_argument(
             "--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES)

@@ -62,6 +62,7 @@ from .blocks import (
     verify_block,
     write_block,
 )
+from .unified_memory import prefetch_to_gpu
 
 BLOCK_TOKENS = 256
 # the block size when the server builds the tier (tests use small blocks)
@@ -183,6 +184,7 @@ class DiskPromptCache:
         self.block_tokens = block_tokens
         self.writable = True
         self.stats = Stats()
+        self.last_restore = {}  # seconds of the last restore's phases
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)
         self._files = OrderedDict()  # block path -> bytes, least recent first
@@ -374,14 +376,24 @@ class DiskPromptCache:
             self._bad(paths[0], e)
             return None
 
+        busy = {"read": 0.0, "check": 0.0, "copy": 0.0}  # thread-seconds
+        busy_lock = threading.Lock()
+
         def load(i):
             if not hasattr(local, "buffer"):
                 local.buffer = ReadBuffer()
             try:
+                begin, read = time.perf_counter(), local.buffer.seconds
                 metadata, tensors, size = verify(i, local.buffer)
                 if not plan.matches(metadata, tensors):
                     return "other", None
+                checked = time.perf_counter()
                 plan.copy(i, tensors)
+                read = local.buffer.seconds - read
+                with busy_lock:
+                    busy["read"] += read
+                    busy["check"] += checked - begin - read
+                    busy["copy"] += time.perf_counter() - checked
                 return "ok", size
             except FileNotFoundError:
                 return "gone", None
@@ -389,10 +401,12 @@ class DiskPromptCache:
                 return "bad", e
 
         n = 1
+        start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
             # the blocks are read and checked while their arrays are allocated
             loaded = pool.map(load, range(1, len(paths)))
             plan.allocate()
+            allocated = time.perf_counter()
             plan.copy(0, tensors)
             for i, (status, value) in enumerate(loaded, 1):
                 if status != "ok":
@@ -400,6 +414,14 @@ class DiskPromptCache:
                         self._bad(paths[i], value)
                     break
                 n, nbytes = i + 1, nbytes + value
+        read = time.perf_counter()
+        prefetched = prefetch_to_gpu(plan.arrays.values())
+        self.last_restore = {
+            "allocate_s": allocated - start,
+            "read_s": read - start,
+            "prefetch_s": time.perf_counter() - read if prefetched else None,
+            **{f"{phase}_busy_s": seconds for phase, seconds in busy.items()},
+        }
         length = sum(count for _, count in chain[:n])
         return plan.build(length), length, n, nbytes
 

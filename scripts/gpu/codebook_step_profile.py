@@ -16,7 +16,14 @@ decode step (all layers), median over the steps:
   evaluated together (pages read from memory, as in decode);
 - ``attn_one_layer``: the attention alone over one layer's cache as many times
   as there are layers (its pages stay in L2, as ``codebook_kernel_check.py``
-  timed the kernel).
+  timed the kernel);
+- with ``--python-profile``, ``python``: cProfile over building the forward's
+  graph (each step evaluated outside the profile), the functions with the most
+  time of their own, in ms per step: on this machine a decode step's host
+  time (building the graph, then launching it) is most of the step.
+
+A scheme written ``name@span`` runs with the decode kernels' keys per block
+fixed at ``span`` (patch 0011's layout, shared by the codebook kernel).
 
 The kernels run on CUDA (``codebook_kernel``, patch 0011); elsewhere the
 MLX-ops paths (useful only to check the script):
@@ -28,13 +35,17 @@ MLX-ops paths (useful only to check the script):
 """
 
 import argparse
+import contextlib
+import cProfile
 import itertools
 import json
+import pstats
 import statistics
 import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
+from mlx_lm.models import quantized_decode
 from mlx_lm.models.base import scaled_dot_product_attention
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -161,8 +172,57 @@ def attend(caches, inputs):
     return build
 
 
-def profile(model, name, context, opts):
-    """One scheme at one context: the row of every measurement."""
+def python_profile(build, steps, top=30):
+    """The ``top`` functions by own time over ``steps`` graph builds (ms per
+    step), each step evaluated outside the profile."""
+    profiler = cProfile.Profile()
+    for _ in range(steps):
+        profiler.enable()
+        outputs = build()
+        profiler.disable()
+        mx.eval(outputs)
+    stats = pstats.Stats(profiler).stats
+    rows = []
+    for (path, line, func), (_, calls, own, cumulative, _) in stats.items():
+        rows.append(
+            {
+                "function": f"{path.rsplit('/', 2)[-1]}:{line}({func})",
+                "calls_per_step": calls / steps,
+                "own_ms": 1e3 * own / steps,
+                "cumulative_ms": 1e3 * cumulative / steps,
+            }
+        )
+    rows.sort(key=lambda r: -r["own_ms"])
+    total = sum(r["own_ms"] for r in rows)
+    return {"total_ms": total, "top": rows[:top]}
+
+
+@contextlib.contextmanager
+def decode_span(span):
+    """Keys per block of the decode kernels (patch 0011's launch layout,
+    which the codebook kernel shares) fixed at ``span`` (0: as they choose)."""
+    chosen = quantized_decode._decode_span
+    if span:
+        quantized_decode._decode_span = lambda length, n_rows: span
+    quantized_decode._meta_tables.clear()
+    try:
+        yield
+    finally:
+        quantized_decode._decode_span = chosen
+        quantized_decode._meta_tables.clear()
+
+
+def profile(model, scheme, context, opts):
+    """One scheme (``name`` or ``name@span``) at one context: the row of
+    every measurement."""
+    name, _, span = scheme.partition("@")
+    with decode_span(int(span or 0)):
+        row = _profile(model, name, context, opts)
+    row["scheme"] = scheme
+    return row
+
+
+def _profile(model, name, context, opts):
     args = model.args
     dtype = opts.dtype
     new_tokens = (opts.repeats + 2) * (opts.steps + 4) + 8
@@ -179,6 +239,14 @@ def profile(model, name, context, opts):
     row["attn_layers"] = timed_steps(attend(caches, inputs), opts.steps)
     one_layer = [caches[0]] * len(caches)
     row["attn_one_layer"] = timed_steps(attend(one_layer, inputs), opts.steps)
+    if opts.python_profile:
+        row["python"] = python_profile(forward(model, caches), opts.steps)
+        print(f"{name} at {context}: python {row['python']['total_ms']:.2f} ms/step")
+        for r in row["python"]["top"][:12]:
+            print(
+                f"  {r['own_ms']:6.3f} own {r['cumulative_ms']:6.3f} cum "
+                f"{r['calls_per_step']:5.0f} calls  {r['function']}"
+            )
     row["held_tokens"] = getattr(caches[0], "n_held", getattr(caches[0], "_n_held", 0))
     row["offset"] = caches[0].offset
     del caches
@@ -218,6 +286,9 @@ def main():
     parser.add_argument("--repeats", type=int, default=2, help="generate_step runs")
     parser.add_argument(
         "--warmup", type=int, default=4096, help="context of an untimed pass"
+    )
+    parser.add_argument(
+        "--python-profile", action="store_true", help="cProfile the graph building"
     )
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
