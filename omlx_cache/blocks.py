@@ -31,7 +31,6 @@ import os
 import re
 import secrets
 import threading
-import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,9 +63,6 @@ DTYPES = {
 }
 DTYPE_NAMES = {mx_dtype: name for name, (mx_dtype, _) in DTYPES.items()}
 NUMPY_DTYPES = {name: np.dtype(np_dtype) for name, (_, np_dtype) in DTYPES.items()}
-# numpy dtype: the mlx dtype of an array whose memory it can view
-HOLDERS = {np.dtype(np_dtype): mx_dtype for mx_dtype, np_dtype in DTYPES.values()}
-HOLDERS[np.dtype(np.uint16)] = mx.uint16
 FILL_STREAMS = min(16, os.cpu_count() or 1)
 
 
@@ -155,16 +151,8 @@ class ReadBuffer:
 
     def __init__(self):
         self.data = bytearray()
-        self.seconds = 0.0  # spent reading
 
     def read(self, path: Path) -> memoryview:
-        start = time.perf_counter()
-        try:
-            return self._read(path)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-    def _read(self, path: Path) -> memoryview:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if len(self.data) < size:
@@ -176,21 +164,14 @@ class ReadBuffer:
         return view[:got]
 
 
-def read_block(path: Path, buffer: ReadBuffer | None = None) -> tuple[dict, dict, int]:
-    """(metadata, {name: (dtype, numpy array)}, file size) of a block file
-    whose CRC and tensor layout check out, else BadBlock. The arrays view the
-    file's bytes: in ``buffer`` if given (valid until its next read), else in
-    memory of their own. A missing file raises FileNotFoundError."""
-    try:
-        data = memoryview(path.read_bytes()) if buffer is None else buffer.read(path)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise BadBlock(f"cannot read it ({e.strerror})") from None
-    if len(data) < 8:
-        raise BadBlock(f"truncated ({len(data)} bytes)")
+def _parse_header(data, size: int) -> tuple[int, dict, dict, bytes, str]:
+    """(header length, tensor entries, metadata, header with its CRC field
+    zeroed, stored CRC) of a block file of ``size`` bytes whose first bytes
+    (its length field and header at least) are ``data``."""
+    if size < 8:
+        raise BadBlock(f"truncated ({size} bytes)")
     n = int.from_bytes(data[:8], "little")
-    if n > len(data) - 8:
+    if n > size - 8 or n > len(data) - 8:
         raise BadBlock("truncated (header)")
     raw = bytes(data[8 : 8 + n])
     try:
@@ -204,40 +185,106 @@ def read_block(path: Path, buffer: ReadBuffer | None = None) -> tuple[dict, dict
     zeroed = raw.replace(
         CRC_FIELD.format(crc).encode(), CRC_FIELD.format(NO_CRC).encode(), 1
     )
-    found = zlib.crc32(data[8 + n :], zlib.crc32(zeroed, zlib.crc32(data[:8])))
-    if f"{found:08x}" != crc:
-        raise BadBlock("CRC mismatch (corrupt or truncated)")
-    tensors, end = {}, 0
+    return n, header, metadata, zeroed, crc
+
+
+def tensor_layout(entries: dict) -> tuple:
+    """((name, dtype, shape, start, stop), ...) of a header's tensors, which
+    must lie one after the other from the data's first byte."""
+    layout, end = [], 0
     try:
-        for name, info in header.items():
+        for name, info in entries.items():
             dtype, shape, (start, stop) = (
                 info["dtype"],
-                info["shape"],
+                tuple(info["shape"]),
                 info["data_offsets"],
             )
-            np_dtype = NUMPY_DTYPES[dtype]
             if not all(type(d) is int and d >= 0 for d in shape):
                 raise ValueError
-            count = math.prod(shape)
-            if start != end or stop - start != count * np_dtype.itemsize:
+            size = math.prod(shape) * NUMPY_DTYPES[dtype].itemsize
+            if start != end or stop - start != size:
                 raise ValueError
-            array = np.frombuffer(data, np_dtype, count, offset=8 + n + start)
-            tensors[name] = (dtype, array.reshape(shape))
+            layout.append((name, dtype, shape, start, stop))
             end = stop
     except (ValueError, KeyError, TypeError):
         raise BadBlock("bad tensor layout") from None
-    if 8 + n + end != len(data):
+    return tuple(layout)
+
+
+def data_bytes(layout: tuple) -> int:
+    return layout[-1][4] if layout else 0
+
+
+def tensor_views(data, offset: int, layout: tuple, names=None) -> dict:
+    """{name: (dtype, numpy array)} viewing ``data`` (the tensors of ``names``
+    only, if given)."""
+    tensors = {}
+    for name, dtype, shape, start, _ in layout:
+        if names is None or name in names:
+            np_dtype = NUMPY_DTYPES[dtype]
+            array = np.frombuffer(
+                data, np_dtype, math.prod(shape), offset=offset + start
+            )
+            tensors[name] = (dtype, array.reshape(shape))
+    return tensors
+
+
+def read_block(path: Path, buffer: ReadBuffer | None = None) -> tuple[dict, dict, int]:
+    """(metadata, {name: (dtype, numpy array)}, file size) of a block file
+    whose CRC and tensor layout check out, else BadBlock. The arrays view the
+    file's bytes: in ``buffer`` if given (valid until its next read), else in
+    memory of their own. A missing file raises FileNotFoundError."""
+    try:
+        data = memoryview(path.read_bytes()) if buffer is None else buffer.read(path)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise BadBlock(f"cannot read it ({e.strerror})") from None
+    n, entries, metadata, zeroed, crc = _parse_header(data, len(data))
+    found = zlib.crc32(data[8 + n :], zlib.crc32(zeroed, zlib.crc32(data[:8])))
+    if f"{found:08x}" != crc:
+        raise BadBlock("CRC mismatch (corrupt or truncated)")
+    layout = tensor_layout(entries)
+    if 8 + n + data_bytes(layout) != len(data):
         raise BadBlock("size does not match its tensors")
-    return metadata, tensors, len(data)
+    return metadata, tensor_views(data, 8 + n, layout), len(data)
 
 
-def verify_block(
-    path: Path, key: str, parent: str | None = None, index=None, buffer=None
-):
-    """``read_block``, and the metadata checked: the format, the key, the hash
-    (the file's name, and the hash of the parent and the stored tokens) and,
-    when given, the parent and the index in the chain."""
-    metadata, tensors, size = read_block(path, buffer)
+def read_block_into(path: Path, slot: memoryview, layout: tuple, names) -> tuple:
+    """``read_block`` of a file whose data (the bytes after its header) goes
+    straight into ``slot``, if its tensors lie as ``layout`` says: (metadata,
+    its tensors of ``names`` viewing ``slot``, file size), or None for another
+    layout (``slot`` untouched)."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            n = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+            head = prefix + f.read(min(n, max(size - 8, 0)))
+            n, entries, metadata, zeroed, crc = _parse_header(head, size)
+            if tensor_layout(entries) != layout:
+                return None
+            if size - 8 - n != len(slot):
+                raise BadBlock("size does not match its tensors")
+            got = 0
+            while got < len(slot) and (count := f.readinto(slot[got:])):
+                got += count
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        raise BadBlock(f"cannot read it ({e.strerror})") from None
+    if got != len(slot):
+        raise BadBlock("truncated (data)")
+    found = zlib.crc32(slot, zlib.crc32(zeroed, zlib.crc32(prefix)))
+    if f"{found:08x}" != crc:
+        raise BadBlock("CRC mismatch (corrupt or truncated)")
+    return metadata, tensor_views(slot, 0, layout, names), size
+
+
+def check_block(path: Path, metadata: dict, tensors: dict, key: str, parent, index):
+    """The metadata of a block read from ``path`` checked: the format, the
+    key, the hash (the file's name, and the hash of the parent and the stored
+    tokens) and, when given, the parent and the index in the chain."""
     expected = {"format": FORMAT, "version": str(FORMAT_VERSION), "key": key}
     expected["hash"] = path.name.removesuffix(SUFFIX)
     if parent is not None:
@@ -252,6 +299,14 @@ def verify_block(
         raise BadBlock("no tokens")
     if chain_hash(metadata.get("parent", ""), stored[1]) != expected["hash"]:
         raise BadBlock("its hash does not match its tokens")
+
+
+def verify_block(
+    path: Path, key: str, parent: str | None = None, index=None, buffer=None
+):
+    """``read_block``, and the metadata checked (``check_block``)."""
+    metadata, tensors, size = read_block(path, buffer)
+    check_block(path, metadata, tensors, key, parent, index)
     return metadata, tensors, size
 
 
@@ -433,13 +488,15 @@ def block_tensors(layers: list, tokens, start: int, stop: int) -> dict:
 
 class Plan:
     """Restoring a chain of blocks (full ones of ``block_tokens`` tokens, the
-    last possibly partial): per layer, one array per part for all its tokens,
-    into which each block is copied, and what every block must share with the
-    first (classes and settings).
+    last possibly partial), and what every block must share with the first
+    (tensor layout, classes and settings).
 
-    The arrays are MLX's, written through numpy views of their memory: there
-    is no copy from numpy into MLX at the end. ``allocate`` makes them;
-    ``copy`` waits for them, so blocks can be read and checked meanwhile."""
+    The data of every full block (its bytes after the header) is read straight
+    into a row of host memory (``allocate``, ``slot``: MLX arrays, zeroed on
+    CPU streams, written through numpy views); ``assemble`` then cuts each
+    part out of the rows with a few MLX ops per part (on the GPU where there is
+    one), so no Python runs per block and part. ``slot`` waits for
+    ``allocate``, so blocks can be opened meanwhile."""
 
     def __init__(self, metadata: dict, tensors: dict, length: int, block_tokens: int):
         self.block_tokens = block_tokens
@@ -447,7 +504,7 @@ class Plan:
         self.described = json.loads(self.layers_text)
         first = len(tensors["tokens"][1])
         self.layers = []
-        self.shapes = {}  # part name ("n.keys.j"): (dtype, shape, numpy dtype)
+        self.parts = {}  # part name ("n.keys.j"): (dtype, shape in a block)
         for n, d in enumerate(self.described):
             cls = cache_class(d["class"])
             if cls is None or layout_of(cls).name != d["layout"]:
@@ -459,15 +516,22 @@ class Plan:
                     dtype, x = tensors[name]
                     if x.ndim < 2 or x.shape[-2] != first:
                         raise BadBlock(f"{name} does not hold {first} tokens")
-                    shape = (*x.shape[:-2], length, x.shape[-1])
-                    self.shapes[name] = (dtype, shape, x.dtype)
+                    self.parts[name] = (dtype, x.shape)
             settings, j = [], 0
             while f"{n}.settings.{j}" in tensors:
                 settings.append(tensors[f"{n}.settings.{j}"])
                 j += 1
             self.layers.append((cls, d, names, settings))
-        self.arrays = {}
-        self.views = {}
+        self.layout, offset = [], 0
+        for name, (dtype, x) in tensors.items():
+            self.layout.append((name, dtype, x.shape, offset, offset + x.nbytes))
+            offset += x.nbytes
+        self.layout = tuple(self.layout)
+        self.offsets = {name: (a, b) for name, _, _, a, b in self.layout}
+        self.small = {name for name in tensors if name not in self.parts}
+        self.rows = []  # MLX uint8 arrays of (blocks, data bytes)
+        self.views = []
+        self.per_row_array = 1
         self._allocated = threading.Event()
 
     @classmethod
@@ -478,32 +542,37 @@ class Plan:
         except (KeyError, TypeError, ValueError) as e:
             raise BadBlock(f"bad layer description ({type(e).__name__})") from None
 
-    def allocate(self):
-        """Every part's array and its numpy view. On CUDA the arrays are
-        zeroed by the GPU and moved to host memory in bulk; elsewhere zeroed
-        by MLX on CPU streams (several, as first touching fresh memory is
-        most of the cost)."""
+    def allocate(self, n_blocks: int):
+        """Host memory for the data of ``n_blocks`` full blocks: zeroed by
+        MLX on CPU streams (several, as first touching fresh memory is most of
+        the cost), with numpy views to read into."""
         try:
-            if unified_memory.available():
-                self.arrays = {
-                    name: mx.zeros(shape, HOLDERS[np_dtype])
-                    for name, (_, shape, np_dtype) in self.shapes.items()
-                }
-                mx.eval(list(self.arrays.values()))
-                unified_memory.prefetch_to_host(self.arrays.values())
-                self.views = {name: np.asarray(x) for name, x in self.arrays.items()}
-                return
-            streams = fill_streams()
-            loads = [0] * len(streams)
-            for name, (_, shape, np_dtype) in self.shapes.items():
-                s = loads.index(min(loads))
-                loads[s] += np_dtype.itemsize * math.prod(shape)
-                holder = HOLDERS[np_dtype]
-                self.arrays[name] = mx.zeros(shape, holder, stream=streams[s])
-            mx.eval(list(self.arrays.values()))
-            self.views = {name: np.asarray(x) for name, x in self.arrays.items()}
+            if n_blocks:
+                streams = fill_streams()
+                per = -(-n_blocks // len(streams))
+                size = data_bytes(self.layout)
+                for i, first in enumerate(range(0, n_blocks, per)):
+                    shape = (min(per, n_blocks - first), size)
+                    self.rows.append(mx.zeros(shape, mx.uint8, stream=streams[i]))
+                mx.eval(self.rows)
+                self.views = [np.asarray(x) for x in self.rows]
+                self.per_row_array = per
         finally:
             self._allocated.set()
+
+    def slot(self, i: int) -> memoryview:
+        """Where full block ``i``'s data goes, once allocated."""
+        self._allocated.wait()
+        per = self.per_row_array
+        if i // per >= len(self.views):
+            raise RuntimeError("the memory of the restore was not allocated")
+        return memoryview(self.views[i // per][i % per])
+
+    def read(self, path: Path, i: int) -> tuple | None:
+        """Full block ``i`` read into its slot (``read_block_into``): its
+        metadata, tokens and settings, and size; None for a block of another
+        layout."""
+        return read_block_into(path, self.slot(i), self.layout, self.small)
 
     def matches(self, metadata: dict, tensors: dict) -> bool:
         """Whether a later block has the first's classes and settings (a block
@@ -528,49 +597,65 @@ class Plan:
                     return False
         return True
 
-    def copy(self, i: int, tensors: dict):
-        """Copy block ``i``'s slices into place (BadBlock if they do not fit),
-        once the arrays are allocated."""
-        start = i * self.block_tokens
+    def check_tail(self, tensors: dict):
+        """BadBlock unless a last, partial block's parts fit the others'."""
         count = len(tensors["tokens"][1])
-        self._allocated.wait()
-        if len(self.views) != len(self.shapes):
-            raise RuntimeError("the arrays of the restore were not allocated")
         try:
-            for name, (dtype, shape, _) in self.shapes.items():
+            for name, (dtype, shape) in self.parts.items():
                 got, x = tensors[name]
-                fits = x.shape[:-2] == shape[:-2] and x.shape[-2] == count
-                if got != dtype or not fits or start + count > shape[-2]:
+                fits = x.shape[:-2] == shape[:-2] and x.shape[-1] == shape[-1]
+                if got != dtype or not fits or x.shape[-2] != count:
                     raise ValueError
-                self.views[name][..., start : start + count, :] = x
         except (KeyError, ValueError):
             raise BadBlock("its arrays do not match the first block's") from None
 
-    def build(self, length: int) -> list:
-        """The caches of the chain's first ``length`` tokens (the numpy views
-        are dropped: nothing writes to the arrays after this)."""
-        self.views = {}
+    def assemble(self, n_blocks: int, tail: dict | None = None) -> dict:
+        """Every part's array ({name: MLX array}) of the first ``n_blocks``
+        full blocks, then ``tail``'s (a last, partial block's tensors), in
+        their stored types; the host rows are released."""
+        rows, left = [], n_blocks
+        for x in self.rows:
+            if left <= 0:
+                break
+            rows.append(x if x.shape[0] <= left else x[:left])
+            left -= x.shape[0]
+        # on CUDA the rows move to the GPU at once, not a page fault at a time
+        unified_memory.prefetch_to_gpu(self.rows[: len(rows)])
+        arrays = {}
+        for name, (dtype, shape) in self.parts.items():
+            pieces = [self._cut(x, name, dtype, shape) for x in rows]
+            if tail is not None:
+                pieces.append(to_mlx(*tail[name]))
+            if len(pieces) > 1:
+                arrays[name] = mx.concatenate(pieces, axis=-2)
+            else:
+                arrays[name] = mx.contiguous(pieces[0])
+        mx.eval(list(arrays.values()))
+        self.rows, self.views = [], []
+        return arrays
+
+    def _cut(self, rows: mx.array, name: str, dtype: str, shape: tuple) -> mx.array:
+        """A part's tokens in ``rows`` (blocks of data bytes), in order."""
+        start, stop = self.offsets[name]
+        n = rows.shape[0]
+        x = rows[:, start:stop].view(DTYPES[dtype][0]).reshape(n, *shape)
+        axis = len(shape) - 2  # the tokens' axis
+        x = mx.moveaxis(x, 0, axis)
+        return x.reshape(*shape[:axis], n * shape[axis], shape[-1])
+
+    def build(self, arrays: dict, length: int) -> list:
+        """The caches of ``length`` tokens from the parts' ``arrays``."""
         caches = []
         for cls, d, names, settings in self.layers:
             keys, values = (
-                tuple(self.restored(name, length) for name in names[kind])
+                tuple(arrays[name] for name in names[kind])
                 for kind in ("keys", "values")
             )
             if d["plain"]:
                 keys, values = keys[0], values[0]
-            arrays = [to_mlx(dtype, x) for dtype, x in settings]
-            settings = restore_settings(d["settings"], arrays)
-            layout = layout_of(cls)
-            caches.append(layout.build(cls, keys, values, length, settings))
-        self.arrays = {}
+            settings = restore_settings(d["settings"], [to_mlx(*s) for s in settings])
+            caches.append(layout_of(cls).build(cls, keys, values, length, settings))
         return caches
-
-    def restored(self, name: str, length: int) -> mx.array:
-        """A part's array of the first ``length`` tokens, in its stored type."""
-        x = self.arrays[name]
-        if length < x.shape[-2]:
-            x = mx.contiguous(x[..., :length, :])
-        return x.view(mx.bfloat16) if self.shapes[name][0] == "BF16" else x
 
 
 @functools.cache

@@ -438,7 +438,7 @@ def run_synthetic(options) -> dict:
             logits = prefill(cache, second[n:])
             ttft_with = time.perf_counter() - start
             for phase, seconds in restarted.last_restore.items():
-                row[f"{phase.removesuffix('_s')}_{page_cache}_s"] = seconds
+                row[f"{phase}_{page_cache}_s"] = seconds
             row[f"suffix_{page_cache}_s"] = ttft_with - restore_s
             answer_with = greedy(cache, logits, options.answer_tokens)
             row[f"restore_{page_cache}_s"] = restore_s
@@ -519,16 +519,15 @@ def print_synthetic(rows):
         )
     for r in rows:
         for case in ("cold", "warm", "plain"):
-            if f"read_{case}_s" not in r:
+            if f"blocks_{case}_s" not in r:
                 continue
-            prefetch = r[f"prefetch_{case}_s"]
+            phases = ", ".join(
+                f"{phase} {r.get(f'{phase}_{case}_s', 0.0):.3f}"
+                for phase in ("allocate", "blocks", "read", "check", "assemble")
+            )
             print(
-                f"  {r['scheme']} {case}: allocate {r[f'allocate_{case}_s']:.3f} s, "
-                f"read {r[f'read_{case}_s']:.3f} s, prefetch "
-                f"{'-' if prefetch is None else f'{prefetch:.3f} s'}, "
-                f"restore {r[f'restore_{case}_s']:.3f} s, "
-                f"threads read/check/copy {r[f'read_busy_{case}_s']:.2f}/"
-                f"{r[f'check_busy_{case}_s']:.2f}/{r[f'copy_busy_{case}_s']:.2f} s, "
+                f"  {r['scheme']} {case}: {phases} s (read, check: summed over "
+                f"threads), restore {r[f'restore_{case}_s']:.3f} s, "
                 f"suffix {r[f'suffix_{case}_s']:.3f} s, "
                 f"first token {r[f'ttft_with_{case}_s']:.3f} s "
                 f"({r[f'speedup_{case}']:.1f}x)"

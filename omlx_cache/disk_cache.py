@@ -37,6 +37,7 @@ its tail before its head.
 
 import argparse
 import concurrent.futures
+import contextlib
 import hashlib
 import json
 import logging
@@ -55,14 +56,13 @@ from .blocks import (
     SUFFIX,
     BadBlock,
     Plan,
-    ReadBuffer,
     block_tensors,
     chain_hash,
+    check_block,
     layout_of,
     verify_block,
     write_block,
 )
-from .unified_memory import prefetch_to_gpu
 
 BLOCK_TOKENS = 256
 # the block size when the server builds the tier (tests use small blocks)
@@ -158,6 +158,24 @@ class Stats:
     removed_bad: int = 0
     evicted: int = 0
     write_errors: list = field(default_factory=list)
+
+
+class Timer:
+    """Seconds per phase, summed over the threads that time it."""
+
+    def __init__(self):
+        self.seconds = {}
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            spent = time.perf_counter() - start
+            with self._lock:
+                self.seconds[phase] = self.seconds.get(phase, 0.0) + spent
 
 
 # --- the tier -------------------------------------------------------------------
@@ -357,14 +375,16 @@ class DiskPromptCache:
     def _read_chain(self, ns: Namespace, chain: list):
         """(caches, tokens, blocks, bytes read) of the chain's first blocks
         that read back, or None. The first is read alone (it sizes the
-        arrays), the others in parallel while the arrays are allocated."""
+        restore); the other full blocks are read in parallel, straight into
+        host memory, while it is allocated; the last, if partial, on its own."""
         paths = [path for path, _ in chain]
-        local = threading.local()
         threading.Thread(target=read_ahead, args=(paths[1:],), daemon=True).start()
 
-        def verify(i, buffer=None):
-            parent = paths[i - 1].name.removesuffix(SUFFIX) if i else ns.key
-            return verify_block(paths[i], ns.key, parent, i, buffer)
+        def parent(i):
+            return paths[i - 1].name.removesuffix(SUFFIX) if i else ns.key
+
+        def verify(i):
+            return verify_block(paths[i], ns.key, parent(i), i)
 
         try:
             metadata, tensors, nbytes = verify(0)
@@ -375,55 +395,71 @@ class DiskPromptCache:
         except BadBlock as e:
             self._bad(paths[0], e)
             return None
-
-        busy = {"read": 0.0, "check": 0.0, "copy": 0.0}  # thread-seconds
-        busy_lock = threading.Lock()
+        full = sum(1 for _, count in chain if count == self.block_tokens)
+        timer = Timer()
 
         def load(i):
-            if not hasattr(local, "buffer"):
-                local.buffer = ReadBuffer()
             try:
-                begin, read = time.perf_counter(), local.buffer.seconds
-                metadata, tensors, size = verify(i, local.buffer)
-                if not plan.matches(metadata, tensors):
+                with timer("read"):
+                    got = plan.read(paths[i], i)
+                if got is None:  # another layout: a fault, or other settings
+                    verify(i)
                     return "other", None
-                checked = time.perf_counter()
-                plan.copy(i, tensors)
-                read = local.buffer.seconds - read
-                with busy_lock:
-                    busy["read"] += read
-                    busy["check"] += checked - begin - read
-                    busy["copy"] += time.perf_counter() - checked
+                block_metadata, block_tensors, size = got
+                with timer("check"):
+                    check_block(
+                        paths[i], block_metadata, block_tensors, ns.key, parent(i), i
+                    )
+                    if not plan.matches(block_metadata, block_tensors):
+                        return "other", None
                 return "ok", size
             except FileNotFoundError:
                 return "gone", None
             except BadBlock as e:
                 return "bad", e
 
-        n = 1
+        n, nbytes = 0, 0
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
-            # the blocks are read and checked while their arrays are allocated
-            loaded = pool.map(load, range(1, len(paths)))
-            plan.allocate()
-            allocated = time.perf_counter()
-            plan.copy(0, tensors)
-            for i, (status, value) in enumerate(loaded, 1):
+            loaded = pool.map(load, range(full))
+            with timer("allocate"):
+                plan.allocate(full)
+            for i, (status, value) in enumerate(loaded):
                 if status != "ok":
                     if status == "bad":
                         self._bad(paths[i], value)
                     break
                 n, nbytes = i + 1, nbytes + value
-        read = time.perf_counter()
-        prefetched = prefetch_to_gpu(plan.arrays.values())
-        self.last_restore = {
-            "allocate_s": allocated - start,
-            "read_s": read - start,
-            "prefetch_s": time.perf_counter() - read if prefetched else None,
-            **{f"{phase}_busy_s": seconds for phase, seconds in busy.items()},
-        }
+        timer.seconds["blocks"] = time.perf_counter() - start
+        tail = None
+        if full == 0:
+            n, tail = 1, tensors
+        elif n == full < len(paths):
+            tail, size = self._read_tail(plan, paths[full], verify, full)
+            if tail is not None:
+                n, nbytes = n + 1, nbytes + size
+        if n == 0:
+            return None
+        with timer("assemble"):
+            arrays = plan.assemble(min(n, full), tail)
+        self.last_restore = timer.seconds
         length = sum(count for _, count in chain[:n])
-        return plan.build(length), length, n, nbytes
+        return plan.build(arrays, length), length, n, nbytes
+
+    def _read_tail(self, plan: Plan, path: Path, verify, i: int):
+        """(tensors, size) of the chain's last, partial block ``i`` if it
+        reads back and fits, else (None, 0)."""
+        try:
+            metadata, tensors, size = verify(i)
+            if not plan.matches(metadata, tensors):
+                return None, 0
+            plan.check_tail(tensors)
+            return tensors, size
+        except FileNotFoundError:
+            return None, 0
+        except BadBlock as e:
+            self._bad(path, e)
+            return None, 0
 
     def _bad(self, path: Path, error: BadBlock):
         log.warning(f"disk prompt cache: skipped and removed {path}: {error}")

@@ -18,8 +18,6 @@ import mlx.core as mx
 import numpy as np
 
 CU_MEM_LOCATION_TYPE_DEVICE = 1
-CU_MEM_LOCATION_TYPE_HOST = 2
-CU_DEVICE_CPU = -1
 ENABLED = True  # benchmarks turn it off to compare
 
 
@@ -58,22 +56,17 @@ class Driver:
         if status != 0:
             raise OSError(f"CUDA driver call failed (CUresult {status})")
 
-    def prefetch(self, regions: list[tuple[int, int]], to_host: bool = False):
-        """Move each (address, bytes) region to device 0 (or the host) and
-        wait."""
+    def prefetch(self, regions: list[tuple[int, int]]):
+        """Move each (address, bytes) region to device 0 and wait."""
         lib = self.lib
-        if self.prefetch_v2 is not None:
-            location = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, 0)
-            if to_host:
-                location = MemLocation(CU_MEM_LOCATION_TYPE_HOST, 0)
+        location = MemLocation(CU_MEM_LOCATION_TYPE_DEVICE, 0)
         self.check(lib.cuCtxPushCurrent_v2(self.context))
         try:
             for address, size in regions:
                 if self.prefetch_v2 is not None:
                     status = self.prefetch_v2(address, size, location, 0, None)
                 else:
-                    device = CU_DEVICE_CPU if to_host else 0
-                    status = lib.cuMemPrefetchAsync(address, size, device, None)
+                    status = lib.cuMemPrefetchAsync(address, size, 0, None)
                 self.check(status)
             self.check(lib.cuCtxSynchronize())
         finally:
@@ -96,7 +89,9 @@ def available() -> bool:
     return ENABLED and driver() is not None
 
 
-def _prefetch(arrays, to_host: bool) -> bool:
+def prefetch_to_gpu(arrays) -> bool:
+    """Move evaluated ``arrays`` to the GPU now (CUDA), so that their first
+    use does not fault their pages in one by one; whether it did."""
     if not available():
         return False
     regions = []
@@ -105,19 +100,7 @@ def _prefetch(arrays, to_host: bool) -> bool:
         if view.nbytes:
             regions.append((view.ctypes.data, view.nbytes))
     try:
-        driver().prefetch(regions, to_host)
+        driver().prefetch(regions)
     except OSError:
         return False
     return True
-
-
-def prefetch_to_gpu(arrays) -> bool:
-    """Move evaluated ``arrays`` to the GPU now (CUDA), so that their first
-    use does not fault their pages in one by one; whether it did."""
-    return _prefetch(arrays, to_host=False)
-
-
-def prefetch_to_host(arrays) -> bool:
-    """Move evaluated ``arrays`` to host memory now (CUDA), before the CPU
-    writes them; whether it did."""
-    return _prefetch(arrays, to_host=True)
