@@ -18,6 +18,7 @@ from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 from mlx_lm.server import make_prompt_cache_tier
 from tiny_llama import make_model
 
+from omlx_cache import unified_memory
 from omlx_cache.blocks import BadBlock, ReadBuffer, read_block, token_slice
 from omlx_cache.center import CenteredQuantizedKVCache
 from omlx_cache.codebook import CodebookKVCache
@@ -401,3 +402,14 @@ def test_disk_bench_synthetic(tmp_path):
         assert row["restored_tokens"] == 256
         assert row["identical_cold"] and row["identical_warm"]
     assert (tmp_path / "report.json").exists()
+
+
+def test_prefetch_is_a_no_op_off_cuda():
+    """Moving arrays to the GPU only happens on CUDA; elsewhere the arrays are
+    left as they are and the call says it did nothing."""
+    x = mx.arange(1000, dtype=mx.float32)
+    mx.eval(x)
+    on_cuda = mx.default_device() == mx.gpu and mx.cuda.is_available()
+    assert unified_memory.available() == on_cuda
+    assert unified_memory.prefetch_to_gpu([x]) == on_cuda
+    assert mx.array_equal(x, mx.arange(1000, dtype=mx.float32)).item()
