@@ -387,7 +387,7 @@ class DiskPromptCache:
             return verify_block(paths[i], ns.key, parent(i), i)
 
         try:
-            metadata, tensors, nbytes = verify(0)
+            metadata, tensors, first_bytes = verify(0)
             length = sum(count for _, count in chain)
             plan = Plan.from_block(metadata, tensors, length, self.block_tokens)
         except FileNotFoundError:
@@ -432,8 +432,8 @@ class DiskPromptCache:
                 n, nbytes = i + 1, nbytes + value
         timer.seconds["blocks"] = time.perf_counter() - start
         tail = None
-        if full == 0:
-            n, tail = 1, tensors
+        if full == 0:  # the chain is one partial block
+            n, nbytes, tail = 1, first_bytes, tensors
         elif n == full < len(paths):
             tail, size = self._read_tail(plan, paths[full], verify, full)
             if tail is not None:
