@@ -335,6 +335,7 @@ class _Centered(_Centering, _KeyWeighting):
 
     def update_and_fetch(self, keys, values):
         if self.key_scale and self.key_weights is None and self.empty():
+            self._check_head_dims(keys.shape[-1], values.shape[-1])
             self._pending = (keys, values)
             return None, None
         self._flush_first_write()

@@ -248,6 +248,8 @@ def test_bad_settings_and_states_are_rejected():
     ):
         with pytest.raises(ValueError):
             CenteredQuantizedKVCache.from_state(bad)
+    with pytest.raises(ValueError, match="divisible"):
+        CenteredQuantizedKVCache(128, 4, key_scale="qk").update_and_fetch(keys, values)
     with pytest.raises(NotImplementedError, match="key_scale"):
         CenteredQuantizedKVCache.merge([cache, CenteredQuantizedKVCache(64, 4)])
 
