@@ -1,9 +1,11 @@
 """KV cache schemes by name, for evaluation and benchmarks.
 
 A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate``,
-``4+rotate+center/g32``, ``4+rotate+exact4`` or ``4+rotate+k8@11`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
-a factory ``(model) -> list of caches`` plus the bits per element the format
-costs.
+``4+rotate+center/g32``, ``4+rotate+exact4``, ``4+rotate+k8@11`` or
+``4,3+rotate+center+res72/g64,32~4+rotate+center`` (``A~B``: B in the
+bounded layers) names how a model's keys and values are stored.
+``get_scheme`` turns it into a ``Scheme``: a factory ``(model) -> list of
+caches`` plus the bits per element the format costs.
 
 The codecs live in their own modules (``center``, ``codebook``), which know
 nothing of schemes; their names are registered here. New formats register a
@@ -86,6 +88,12 @@ def get_scheme(name: str, group_size=64) -> Scheme:
         if match:
             return entry.builder(name, group_size, **match.groupdict())
     raise ValueError(f"Unknown KV cache scheme {name!r}; known forms: {known_forms()}.")
+
+
+def bounded_layers(model: nn.Module) -> list[bool]:
+    """Which layers of ``model`` make a bounded (sliding-window) cache by
+    default, as Gemma 3's local layers do."""
+    return [hasattr(c, "max_size") for c in make_prompt_cache(model)]
 
 
 def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
@@ -501,3 +509,28 @@ def codebook(
         kept_tokens=keep_exact,
         high_layers=tuple(sorted({*high_layers, *value_high_layers})),
     )
+
+
+@register(
+    r"(?P<whole>[^~]+)~(?P<bounded>[^~]+)",
+    syntax="A~B",
+    help="scheme A in the layers whose cache holds the whole context and B in "
+    "the bounded (sliding-window) layers the model makes, e.g. Gemma 3's "
+    "512-token windows, which at long contexts hold a small share of the cache "
+    "(a model without them: A alone)",
+)
+def split_by_window(name, group_size, whole, bounded):
+    parts = [get_scheme(part, group_size) for part in (whole, bounded)]
+
+    def make_cache(model):
+        whole_caches, bounded_caches = (part.make_cache(model) for part in parts)
+        if len(whole_caches) != len(bounded_caches):
+            raise ValueError(f"{name}: the two schemes make different layer counts.")
+        return [
+            b if is_bounded else w
+            for w, b, is_bounded in zip(
+                whole_caches, bounded_caches, bounded_layers(model)
+            )
+        ]
+
+    return replace(parts[0], name=name, make_cache=make_cache, is_reference=False)

@@ -51,6 +51,14 @@ def float_attention(keys, values, queries, mask="causal"):
     )
 
 
+def tiny_gemma():
+    """A Gemma 3 of two 16-token sliding-window layers and a global one."""
+    mx.random.seed(0)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(TINY_GEMMA))
+    mx.eval(model.parameters())
+    return model
+
+
 def stored(cache):
     """The keys and values an unbounded affine cache holds, as attention
     reads them: dequantized (kept tokens as kept), rotated back, keys
@@ -273,9 +281,7 @@ def test_generation_through_weighted_caches():
 
 
 def test_schemes_on_sliding_window_layers():
-    mx.random.seed(0)
-    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(TINY_GEMMA))
-    mx.eval(model.parameters())
+    model = tiny_gemma()
     tokens = mx.random.randint(0, 128, (1, 40))
 
     def run(caches):
@@ -312,3 +318,48 @@ def test_average_bits_count_the_weights():
     assert k == pytest.approx(bits["4+rotate+center"][0] + 32 / 4096)
     assert v == bits["4+rotate+center"][1]
     assert centered(KVCache(), "k", "q").key_scale == "q"
+
+
+def test_bounded_layers_take_the_second_scheme():
+    # A~B: A where the cache holds the whole context, B in sliding windows
+    model = tiny_gemma()
+    assert schemes.bounded_layers(model) == [True, True, False]
+    name = "4,3+rotate+center+qscale+exact8+res16/g64,32~4+rotate+center+qscale"
+    caches = schemes.get_scheme(name).make_cache(model)
+    assert [type(c) for c in caches] == [
+        CenteredQuantizedRotatingKVCache,
+        CenteredQuantizedRotatingKVCache,
+        CenteredQuantizedKVCache,
+    ]
+    assert [(c.bits, c.group_size) for c in caches] == [
+        (4, 64),
+        (4, 64),
+        ((4, 3), (64, 32)),
+    ]
+    assert caches[2].residual == 16 and caches[0].keep_exact == 0
+    scheme = schemes.get_scheme(name)
+    assert scheme.bits_per_element == (4.5, 4.0) and not scheme.is_reference
+    # a model without bounded layers gets A alone
+    llama = make_model()
+    whole = schemes.get_scheme(name.split("~")[0]).make_cache(llama)
+    split = scheme.make_cache(llama)
+    assert [(type(c), c._settings()) for c in split] == [
+        (type(c), c._settings()) for c in whole
+    ]
+    for bad in ("4~", "~4", "4~4~4", "4~5+centre"):
+        with pytest.raises(ValueError):
+            schemes.get_scheme(bad)
+
+
+def test_bounded_layers_cost_their_window():
+    model = tiny_gemma()
+    tokens = mx.random.randint(0, 128, (1, 40))
+    bits = {}
+    for name in ("4,3/g64,32", "4,3/g64,32~4"):
+        caches = schemes.get_scheme(name).make_cache(model)
+        model(tokens, cache=caches)
+        bits[name] = schemes.average_bits(caches, 64)
+    # two 16-token windows and a 64-token layer: the windows' values at 4.5
+    # bits instead of 4 add 2 * 16 * 0.5 / (2 * 16 + 64)
+    assert bits["4,3/g64,32~4"][0] == bits["4,3/g64,32"][0]
+    assert bits["4,3/g64,32~4"][1] == pytest.approx(bits["4,3/g64,32"][1] + 1 / 6)
