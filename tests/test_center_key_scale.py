@@ -197,8 +197,8 @@ def test_a_read_before_attention_stores_with_weights_of_ones():
         else:
             cache.update_and_fetch(keys[:, :, :1], values[:, :, :1])
         assert (cache.key_weights == 1).all().item() and cache._pending is None
-        stored = cache.key_pages[0][0][:, :, :30]
-        assert mx.array_equal(stored, plain.key_pages[0][0][:, :, :30])
+        written = cache.key_pages[0][0][:, :, :30]
+        assert mx.array_equal(written, plain.key_pages[0][0][:, :, :30])
 
 
 # ---------------------------------------------------------------------------
