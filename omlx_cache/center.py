@@ -19,6 +19,11 @@ so saving and loading keep it.
 ``CenteredBatchQuantizedKVCache`` are mlx-lm's affine caches with
 ``center="k"`` (keys) or ``"kv"`` (keys and values);
 ``omlx_cache.codebook.CodebookKVCache`` takes the same ``center`` option.
+
+The first write also sets the key weights of ``key_scale`` (single
+sequences, affine and codebook caches): keys stored channel by channel
+times a per-head weight from the queries that attend that write, queries
+divided by it (``query_key_weights``, ``_KeyWeighting``).
 """
 
 import mlx.core as mx
@@ -32,6 +37,7 @@ from mlx_lm.models.cache import (
 )
 
 CENTERS = ("k", "kv")
+KEY_SCALES = ("q", "qk")
 
 
 def check_choice(value, name: str, choices: tuple, default: str) -> str:
@@ -52,6 +58,11 @@ def check_choice(value, name: str, choices: tuple, default: str) -> str:
 def check_center(center) -> str:
     """``""`` (off), ``"k"`` or ``"kv"`` from a setting; True means ``"k"``."""
     return check_choice(center, "center", CENTERS, "k")
+
+
+def check_key_scale(key_scale) -> str:
+    """``""`` (off), ``"q"`` or ``"qk"`` from a setting; True means ``"qk"``."""
+    return check_choice(key_scale, "key_scale", KEY_SCALES, "qk")
 
 
 def check_center_state(center, key_mean, value_mean) -> str:
@@ -81,6 +92,39 @@ def first_write_mean(x: mx.array, start=None, stop=None) -> mx.array:
     weights = weights.astype(mx.float32)[:, None, :, None]
     total = (x.astype(mx.float32) * weights).sum(axis=2, keepdims=True)
     return total / mx.maximum(weights.sum(axis=2, keepdims=True), 1)
+
+
+def query_key_weights(keys, queries=None, start=None, stop=None, mode="qk"):
+    """Per-channel key weights (B, n_kv_heads, 1, D) from a first write of
+    (centered) ``keys`` (B, n_kv_heads, T, D) and the queries that attend
+    it (B, n_q_heads, T, D; ones without). A key error ``e`` costs a query
+    ``(q . e)^2``: with keys stored as ``a * k`` (errors about even over the
+    channels after the rotation) and queries as ``q / a``, the expected cost
+    ``sum_c E[q_c^2] / a_c^2 * sum_c a_c^2 E[k_c^2]`` is least for
+    ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4`` (``mode="qk"``). The keys'
+    energies drift as a sequence goes on (RoPE turns the slow channel pairs
+    away from the first write's mean), so ``mode="q"`` takes them as even
+    and the queries' alone, a little flatter: ``a_c = E[q_c^2] ** 1/5``
+    (on a calibration text, docs/codebook-quality.md). Means over each
+    sequence's tokens ``start`` to ``stop`` but the first (as
+    ``first_write_mean``); the weights' geometric mean is 1, each within
+    1/16 to 16."""
+    B, n_kv_heads, T, D = keys.shape
+    if queries is None:
+        return mx.ones((B, n_kv_heads, 1, D), mx.float32)
+    if queries.shape[2] != T:
+        start = stop = None
+    q = first_write_mean(queries.astype(mx.float32) ** 2, start, stop)
+    q = q.reshape(B, n_kv_heads, -1, D).mean(axis=2, keepdims=True)
+    q_floor = 1e-6 * (q.mean(axis=-1, keepdims=True) + 1e-30)
+    if mode == "q":
+        weights = (q + q_floor) ** 0.2
+    else:
+        energy = first_write_mean(keys.astype(mx.float32) ** 2, start, stop)
+        floor = 1e-6 * (energy.mean(axis=-1, keepdims=True) + 1e-30)
+        weights = ((q + q_floor) / (energy + floor)) ** 0.25
+    weights = weights / mx.exp(mx.log(weights).mean(axis=-1, keepdims=True))
+    return mx.clip(weights, 1 / 16, 16)
 
 
 def _repeat_heads(x: mx.array, n_heads: int) -> mx.array:
@@ -216,39 +260,166 @@ class _Centering:
         return cache
 
 
-class _Centered(_Centering):
-    """Centering for mlx-lm's affine caches: around their ``_transform`` and
-    ``scaled_dot_product_attention``; the state gets three more items."""
+class _KeyWeighting:
+    """Keys stored channel by channel times ``key_weights`` and queries
+    divided by them (``key_scale``, see ``query_key_weights``): every
+    ``q . k`` is unchanged, but more of the quantizer's precision goes to the
+    channels the queries weigh. The weights come from the first write's keys
+    (centered) and the queries that attend it; before they are set (None),
+    keys are stored as they come. Mixed with ``_Centering``."""
+
+    key_scale = ""
+    key_weights = None
+
+    def _set_key_scale(self, key_scale, key_weights=None):
+        self.key_scale = check_key_scale(key_scale)
+        self.key_weights = key_weights
+
+    def _set_key_weights(self, keys, queries=None, start=None, stop=None):
+        """Set the weights from a first write's ``keys`` (as they came: the
+        key mean, if any, is taken off here) and its ``queries`` (weights of
+        ones without)."""
+        keys = keys.astype(mx.float32)
+        if self.key_mean is not None:
+            keys = keys - self.key_mean
+        self.key_weights = query_key_weights(
+            keys, queries, start, stop, mode=self.key_scale
+        )
+
+    def _weighted(self, keys, values):
+        if self.key_weights is not None:
+            keys = (keys * self.key_weights).astype(keys.dtype)
+        return keys, values
+
+    def _scaled_queries(self, queries):
+        if self.key_weights is None:
+            return queries
+        weights = _repeat_heads(self.key_weights, queries.shape[1])
+        return (queries / weights).astype(queries.dtype)
+
+    @property
+    def _weights_nbytes(self):
+        return 0 if self.key_weights is None else self.key_weights.nbytes
+
+    @staticmethod
+    def _joined_weights(parts, sizes):
+        """Key weights of sequences laid end to end (ones for a part with
+        none), or None when no part has any."""
+        known = [w for w in parts if w is not None]
+        if not known:
+            return None
+        like = known[0]
+        return mx.concatenate(
+            [
+                w if w is not None else mx.ones((n, *like.shape[1:]), like.dtype)
+                for w, n in zip(parts, sizes)
+            ]
+        )
+
+
+class _Centered(_Centering, _KeyWeighting):
+    """Centering and key weights for mlx-lm's affine caches: around their
+    ``update_and_fetch``, ``_transform`` and ``scaled_dot_product_attention``;
+    the state gets three more items (five with ``key_scale``).
+
+    With ``key_scale`` the first write of an empty cache waits in
+    ``_pending`` for the first attention call, whose queries (and with
+    ``"qk"`` the write's centered keys) set ``key_weights``: until then
+    nothing is stored, ``offset`` stays and ``update_and_fetch`` returns
+    ``(None, None)``. Whatever reads the cache first (``state``, ``trim``,
+    ``keys_and_values``, another write) stores it with weights of ones.
+    Keys are weighted after centering and before rotation; kept
+    (``keep_exact``) and held (``residual``) tokens are stored alike."""
+
+    _pending = None
+
+    def update_and_fetch(self, keys, values):
+        if self.key_scale and self.key_weights is None and self.empty():
+            self._check_head_dims(keys.shape[-1], values.shape[-1])
+            self._pending = (keys, values)
+            return None, None
+        self._flush_first_write()
+        return super().update_and_fetch(keys, values)
+
+    def _flush_first_write(self, queries=None):
+        """Store a held first write, its key weights set from ``queries``
+        (ones without); what ``update_and_fetch`` returns for it, or None
+        when none is held."""
+        if self._pending is None:
+            return None
+        keys, values = self._pending
+        self._pending = None
+        self._center(keys, values)  # the means are those of this write
+        self._set_key_weights(keys, queries)
+        return super().update_and_fetch(keys, values)
 
     def _transform(self, keys, values):
-        return super()._transform(*self._center(keys, values))
+        keys, values = self._weighted(*self._center(keys, values))
+        return super()._transform(keys, values)
 
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
+        if self._pending is not None:
+            keys, values = self._flush_first_write(queries)
         out = super().scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+            self._scaled_queries(queries),
+            keys,
+            values,
+            scale=scale,
+            mask=mask,
+            sinks=sinks,
         )
         return self._uncenter(out)
 
+    def empty(self):
+        return self._pending is None and super().empty()
+
+    def keys_and_values(self):
+        self._flush_first_write()
+        return super().keys_and_values()
+
+    def trim(self, n):
+        self._flush_first_write()
+        return super().trim(n)
+
+    def _weights_state(self):
+        # without key weights the state is as before they existed
+        return (self.key_scale, self.key_weights) if self.key_scale else ()
+
+    def _set_weights_state(self, key_scale="", key_weights=None):
+        if key_weights is not None and (
+            self.key_mean is None or key_weights.shape != self.key_mean.shape
+        ):
+            raise ValueError("Cache state's key weights do not fit its key mean.")
+        self._set_key_scale(key_scale, key_weights)
+        self._pending = None
+
     @property
     def state(self):
-        return (*super().state, *self._center_state())
+        self._flush_first_write()
+        return (*super().state, *self._center_state(), *self._weights_state())
 
     @state.setter
     def state(self, v):
-        super(_Centered, type(self)).state.fset(self, v[:-3])
-        self._set_center_state(*v[-3:])
+        # a weighted cache's state ends in (..., key_scale, key_weights),
+        # others in the key and value means
+        n = 5 if isinstance(v[-2], str) else 3
+        super(_Centered, type(self)).state.fset(self, v[:-n])
+        self._set_center_state(*v[-n:][:3])
+        self._set_weights_state(*v[-n:][3:])
 
     @property
     def nbytes(self):
-        return super().nbytes + self._means_nbytes
+        return super().nbytes + self._means_nbytes + self._weights_nbytes
 
 
 @register_cache_class
 class CenteredQuantizedKVCache(_Centered, QuantizedKVCache):
     """``QuantizedKVCache`` storing keys (``center="k"``) or keys and values
-    (``"kv"``) minus their per-head mean of the first write."""
+    (``"kv"``) minus their per-head mean of the first write; ``key_scale``
+    (``"q"``, ``"qk"``; True is ``"qk"``) also weighs the keys' channels by
+    the first write's queries (``query_key_weights``; see ``_Centered``)."""
 
     def __init__(
         self,
@@ -259,6 +430,7 @@ class CenteredQuantizedKVCache(_Centered, QuantizedKVCache):
         center="k",
         keep_exact=0,
         residual=0,
+        key_scale="",
     ):
         super().__init__(
             group_size,
@@ -269,15 +441,22 @@ class CenteredQuantizedKVCache(_Centered, QuantizedKVCache):
             residual=residual,
         )
         self._require_center(center)
+        self._set_key_scale(key_scale)
 
     @classmethod
     def merge(cls, caches):
+        if any(c.key_scale for c in caches):
+            raise NotImplementedError(
+                "Caches with weighted keys (key_scale) cannot be batched yet; "
+                "serve them one sequence at a time."
+            )
         return CenteredBatchQuantizedKVCache.merge(caches)
 
 
 @register_cache_class
 class CenteredQuantizedRotatingKVCache(_Centered, QuantizedRotatingKVCache):
-    """``QuantizedRotatingKVCache`` with ``center`` as ``CenteredQuantizedKVCache``."""
+    """``QuantizedRotatingKVCache`` with ``center`` and ``key_scale`` as
+    ``CenteredQuantizedKVCache``."""
 
     def __init__(
         self,
@@ -288,9 +467,11 @@ class CenteredQuantizedRotatingKVCache(_Centered, QuantizedRotatingKVCache):
         rotate=False,
         center="k",
         keep_exact=0,
+        key_scale="",
     ):
         super().__init__(max_size, keep, group_size, bits, rotate, keep_exact)
         self._require_center(center)
+        self._set_key_scale(key_scale)
 
     @classmethod
     def merge(cls, caches):
@@ -354,10 +535,11 @@ class CenteredBatchQuantizedKVCache(_Centered, BatchQuantizedKVCache):
         return batch
 
 
-def centered(cache, center="k"):
+def centered(cache, center="k", key_scale=""):
     """The centered quantized form of an empty ``KVCache``,
     ``RotatingKVCache``, ``QuantizedKVCache`` or ``QuantizedRotatingKVCache``
-    (quantized ones keep their settings; plain ones get 4-bit, group 64)."""
+    (quantized ones keep their settings; plain ones get 4-bit, group 64),
+    its keys weighted by ``key_scale``."""
     if not cache.empty():
         raise ValueError("Only an empty cache can be made centered.")
     settings = {"group_size": 64, "bits": 4, "rotate": False}
@@ -365,13 +547,15 @@ def centered(cache, center="k"):
         settings = cache._settings()
     if type(cache) in (KVCache, QuantizedKVCache, CenteredQuantizedKVCache):
         residual = getattr(cache, "residual", 0)
-        return CenteredQuantizedKVCache(**settings, center=center, residual=residual)
+        return CenteredQuantizedKVCache(
+            **settings, center=center, residual=residual, key_scale=key_scale
+        )
     if type(cache) in (
         RotatingKVCache,
         QuantizedRotatingKVCache,
         CenteredQuantizedRotatingKVCache,
     ):
         return CenteredQuantizedRotatingKVCache(
-            cache.max_size, cache.keep, **settings, center=center
+            cache.max_size, cache.keep, **settings, center=center, key_scale=key_scale
         )
     raise ValueError(f"No centered form of {type(cache).__name__}.")

@@ -51,13 +51,7 @@ from mlx_lm.models.cache import (
     register_cache_class,
 )
 
-from .center import (
-    _Centering,
-    _repeat_heads,
-    check_center_state,
-    check_choice,
-    first_write_mean,
-)
+from .center import _Centering, _KeyWeighting, check_center_state
 
 ROTATIONS = ("hadamard", "givens", "none")
 # how the stored norm scales the decoded unit vector (see ``Codebook``)
@@ -618,47 +612,6 @@ def codebook_scaled_dot_product_attention(
     return rotate(out, value_codec.rotation, inverse=True)
 
 
-KEY_SCALES = ("q", "qk")
-
-
-def check_key_scale(key_scale) -> str:
-    """``""`` (off), ``"q"`` or ``"qk"`` from a setting; True means ``"qk"``."""
-    return check_choice(key_scale, "key_scale", KEY_SCALES, "qk")
-
-
-def query_key_weights(keys, queries=None, start=None, stop=None, mode="qk"):
-    """Per-channel key weights (B, n_kv_heads, 1, D) from a first write of
-    (centered) ``keys`` (B, n_kv_heads, T, D) and the queries that attend
-    it (B, n_q_heads, T, D; ones without). A key error ``e`` costs a query
-    ``(q . e)^2``: with keys stored as ``a * k`` (errors about even over the
-    channels after the rotation) and queries as ``q / a``, the expected cost
-    ``sum_c E[q_c^2] / a_c^2 * sum_c a_c^2 E[k_c^2]`` is least for
-    ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4`` (``mode="qk"``). The keys'
-    energies drift as a sequence goes on (RoPE turns the slow channel pairs
-    away from the first write's mean), so ``mode="q"`` takes them as even
-    and the queries' alone, a little flatter: ``a_c = E[q_c^2] ** 1/5``
-    (on a calibration text, docs/codebook-quality.md). Means over each
-    sequence's tokens ``start`` to ``stop`` but the first (as
-    ``first_write_mean``); the weights' geometric mean is 1, each within
-    1/16 to 16."""
-    B, n_kv_heads, T, D = keys.shape
-    if queries is None:
-        return mx.ones((B, n_kv_heads, 1, D), mx.float32)
-    if queries.shape[2] != T:
-        start = stop = None
-    q = first_write_mean(queries.astype(mx.float32) ** 2, start, stop)
-    q = q.reshape(B, n_kv_heads, -1, D).mean(axis=2, keepdims=True)
-    q_floor = 1e-6 * (q.mean(axis=-1, keepdims=True) + 1e-30)
-    if mode == "q":
-        weights = (q + q_floor) ** 0.2
-    else:
-        energy = first_write_mean(keys.astype(mx.float32) ** 2, start, stop)
-        floor = 1e-6 * (energy.mean(axis=-1, keepdims=True) + 1e-30)
-        weights = ((q + q_floor) / (energy + floor)) ** 0.25
-    weights = weights / mx.exp(mx.log(weights).mean(axis=-1, keepdims=True))
-    return mx.clip(weights, 1 / 16, 16)
-
-
 def _with_exact(x: mx.array, kept: mx.array, first) -> mx.array:
     """``x`` (B, heads, T, D) with its rows ``first`` (an int or (B,)) to
     ``first + n`` replaced by ``kept`` (B, heads, n, D)."""
@@ -674,7 +627,7 @@ def _with_exact(x: mx.array, kept: mx.array, first) -> mx.array:
 # Caches
 
 
-class _CodebookKV(_Centering, _PagedKV):
+class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     """Codecs, paging and attention shared by the single and batched caches.
 
     ``keys`` and ``values`` are codecs, ints (codebook bits) or codec specs;
@@ -695,8 +648,6 @@ class _CodebookKV(_Centering, _PagedKV):
     keep_exact = 0
     exact_keys = None
     exact_values = None
-    key_scale = ""
-    key_weights = None
     # the first write, held until attention's queries set the key weights:
     # (keys, values, position, (start, stop) of each sequence's tokens)
     _pending = None
@@ -752,8 +703,7 @@ class _CodebookKV(_Centering, _PagedKV):
         self.page_size = int(page_size or type(self).page_size)
         self._set_center(center)
         self._set_exact_state(keep_exact)
-        self.key_scale = check_key_scale(key_scale)
-        self.key_weights = key_weights
+        self._set_key_scale(key_scale, key_weights)
         self._pending = None
 
     def _settings(self) -> dict:
@@ -830,11 +780,6 @@ class _CodebookKV(_Centering, _PagedKV):
         self._pending = (keys, values, offset, valid)
         return True
 
-    def _weighted(self, keys, values):
-        if self.key_weights is not None:
-            keys = (keys * self.key_weights).astype(keys.dtype)
-        return keys, values
-
     def _flush(self):
         """Encode what is held: the first write (key weights of ones if no
         attention call set them) and the held decode tokens."""
@@ -848,39 +793,8 @@ class _CodebookKV(_Centering, _PagedKV):
             return
         keys, values, offset, (start, stop) = self._pending
         self._pending = None
-        if self.key_mean is not None:
-            keys_ = keys.astype(mx.float32) - self.key_mean
-        else:
-            keys_ = keys.astype(mx.float32)
-        self.key_weights = query_key_weights(
-            keys_, queries, start, stop, mode=self.key_scale
-        )
+        self._set_key_weights(keys, queries, start, stop)
         self._write_pages(keys, values, offset, self.page_size)
-
-    def _scaled_queries(self, queries):
-        if self.key_weights is None:
-            return queries
-        weights = _repeat_heads(self.key_weights, queries.shape[1])
-        return (queries / weights).astype(queries.dtype)
-
-    @property
-    def _weights_nbytes(self):
-        return 0 if self.key_weights is None else self.key_weights.nbytes
-
-    @staticmethod
-    def _joined_weights(parts, sizes):
-        """Key weights of sequences laid end to end (ones for a part with
-        none), or None when no part has any."""
-        known = [w for w in parts if w is not None]
-        if not known:
-            return None
-        like = known[0]
-        return mx.concatenate(
-            [
-                w if w is not None else mx.ones((n, *like.shape[1:]), like.dtype)
-                for w, n in zip(parts, sizes)
-            ]
-        )
 
     def _length(self) -> int:
         raise NotImplementedError

@@ -1,9 +1,11 @@
 """KV cache schemes by name, for evaluation and benchmarks.
 
 A scheme string such as ``fp16``, ``8``, ``8,4``, ``4+rotate``,
-``4+rotate+center/g32``, ``4+rotate+exact4`` or ``4+rotate+k8@11`` names how a model's keys and values are stored. ``get_scheme`` turns it into a ``Scheme``:
-a factory ``(model) -> list of caches`` plus the bits per element the format
-costs.
+``4+rotate+center/g32``, ``4+rotate+exact4``, ``4+rotate+k8@11`` or
+``4,3+rotate+center+res72/g64,32~4+rotate+center`` (``A~B``: B in the
+bounded layers) names how a model's keys and values are stored.
+``get_scheme`` turns it into a ``Scheme``: a factory ``(model) -> list of
+caches`` plus the bits per element the format costs.
 
 The codecs live in their own modules (``center``, ``codebook``), which know
 nothing of schemes; their names are registered here. New formats register a
@@ -88,6 +90,12 @@ def get_scheme(name: str, group_size=64) -> Scheme:
     raise ValueError(f"Unknown KV cache scheme {name!r}; known forms: {known_forms()}.")
 
 
+def bounded_layers(model: nn.Module) -> list[bool]:
+    """Which layers of ``model`` make a bounded (sliding-window) cache by
+    default, as Gemma 3's local layers do."""
+    return [hasattr(c, "max_size") for c in make_prompt_cache(model)]
+
+
 def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
     """``scheme`` with a bounded context, as ``--max-kv-size`` gives it: each
     layer's cache becomes a rotating one of ``max_kv_size`` tokens that keeps the
@@ -110,6 +118,7 @@ def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
                 cache.rotate,
                 cache.center,
                 cache.keep_exact,
+                cache.key_scale,
             )
         raise ValueError(
             f"Scheme {scheme.name!r} has no bounded-context form "
@@ -208,13 +217,15 @@ def residual_tokens(residual: int, tokens: int) -> int:
 
 
 def per_head_bits(cache) -> tuple[int, int]:
-    """(key, value) bits per channel a codebook cache stores once per head
-    and sequence: float32 means (``center``) and key weights
-    (``key_scale``), each as much as one token of float32 elements.
-    (Affine centered caches hold means too; they are left out, as before.)"""
+    """(key, value) bits per channel a cache stores once per head and
+    sequence: float32 key weights (``key_scale``, codebook and affine
+    caches) and a codebook cache's float32 means (``center``), each as much
+    as one token of float32 elements. (Affine centered caches hold means
+    too; they are left out, as before.)"""
+    key = 32 if getattr(cache, "key_weights", None) is not None else 0
     if not isinstance(cache, CodebookKVCache):
-        return (0, 0)
-    key = sum(32 for x in (cache.key_mean, cache.key_weights) if x is not None)
+        return (key, 0)
+    key += 32 if cache.key_mean is not None else 0
     return (key, 32 if cache.value_mean is not None else 0)
 
 
@@ -236,11 +247,11 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
     keeps its first ``keep`` tokens keeps at most those unquantized; one that
     keeps none, none once it has evicted), and the recent tokens a
     ``residual`` holds unquantized (``mean_residual_tokens``) cost 16 bits
-    instead of the format's, and a codebook cache's float32 means and key
-    weights 32 bits per channel once (``per_head_bits``). Layers are
-    assumed to have the same number of heads and head sizes. None when a
-    layer's cache is not an affine, codebook or plain one (or is an empty
-    codebook one, whose head dims are not known yet)."""
+    instead of the format's, and a codebook cache's float32 means and any
+    cache's key weights 32 bits per channel once (``per_head_bits``).
+    Layers are assumed to have the same number of heads and head sizes.
+    None when a layer's cache is not an affine, codebook or plain one (or is
+    an empty codebook one, whose head dims are not known yet)."""
     totals, elements = [0.0, 0.0], 0
     for cache in caches:
         bits = layer_bits(cache)
@@ -263,6 +274,7 @@ def average_bits(caches, context: int) -> tuple[float, float] | None:
 
 
 CENTER_SUFFIX = r"(?P<center>\+center(?P<center_values>-kv)?)?"
+QSCALE_SUFFIX = r"(?P<qscale>\+qscale(?P<qscale_mode>-q)?)?"
 GROUP_SUFFIX = r"(/g(?P<groups>\d+(,\d+)?))?"
 EXACT_SUFFIX = r"(\+exact(?P<exact>\d+))?(\+res(?P<residual>\d+))?"
 LAYERS_SUFFIX = r"(\+(?P<layer_part>kv|k)(?P<layer_bits>\d+)@(?P<layers>\d+(\.\d+)*))?"
@@ -280,18 +292,28 @@ def center_option(center, center_values) -> str:
     return "kv" if center_values else "k"
 
 
+def key_scale_option(qscale, qscale_mode) -> str:
+    """The ``key_scale`` setting of a scheme name's ``+qscale`` / ``+qscale-q``."""
+    if qscale is None:
+        return ""
+    return "q" if qscale_mode else "qk"
+
+
 @register(
     r"(?P<key_bits>\d+)(,(?P<value_bits>\d+))?(?P<rotate>\+rotate)?"
     + CENTER_SUFFIX
+    + QSCALE_SUFFIX
     + EXACT_SUFFIX
     + LAYERS_SUFFIX
     + GROUP_SUFFIX,
-    syntax="B or K,V [+rotate] [+center|+center-kv] [+exactN] [+resR] "
-    "[+kB@L.L|+kvB@L.L] [/gG or /gGK,GV]",
+    syntax="B or K,V [+rotate] [+center|+center-kv] [+qscale|+qscale-q] [+exactN] "
+    "[+resR] [+kB@L.L|+kvB@L.L] [/gG or /gGK,GV]",
     help="mlx affine QuantizedKVCache from the first token, K and V bits; "
     "+rotate stores keys and values rotated before quantizing them; +center "
     "stores keys minus their per-head mean of the first write "
-    "(CenteredQuantizedKVCache), +center-kv values too; +exactN keeps each "
+    "(CenteredQuantizedKVCache), +center-kv values too; +qscale (after +center) "
+    "weighs the keys' channels by the first write's queries over its keys "
+    "(key_scale='qk'), +qscale-q by the queries alone ('q'); +exactN keeps each "
     "sequence's first N tokens unquantized too (keep_exact=N); +resR keeps the "
     "last R to 2R-1 tokens unquantized in unbounded layers (residual=R); +k8@11.19 "
     "gives the keys of layers 11 and 19 8 bits (+kv8@: keys and values; "
@@ -306,6 +328,8 @@ def affine(
     rotate=None,
     center=None,
     center_values=None,
+    qscale=None,
+    qscale_mode=None,
     exact=None,
     residual=None,
     layer_part=None,
@@ -321,6 +345,9 @@ def affine(
     group_sizes, bits = check_kv_quantization(kv_pair(group_size), bits)
     rotate = rotate is not None
     center = center_option(center, center_values)
+    key_scale = key_scale_option(qscale, qscale_mode)
+    if key_scale and not center:
+        raise ValueError(f"{name}: +qscale needs +center (centered caches weigh keys).")
     high_layers = ()
     if layers is not None:
         high_layers = parse_layers(layers)
@@ -340,7 +367,7 @@ def affine(
             kv_residual=residual,
         )
         if center:
-            caches = [centered(c, center) for c in caches]
+            caches = [centered(c, center, key_scale) for c in caches]
         return caches
 
     def make_cache(model):
@@ -374,7 +401,7 @@ CODEBOOK_SCHEME = (
     r"(-(?P<rotation>hadamard|givens|none))?(-(?P<norm>dot|length|plain))?"
     r"(-n(?P<norm_bits>8|16))?"
     + CENTER_SUFFIX
-    + r"(?P<qscale>\+qscale(?P<qscale_mode>-q)?)?"
+    + QSCALE_SUFFIX
     + r"(\+exact(?P<exact>\d+))?"
     + LAYERS_SUFFIX
     + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*))?"
@@ -469,7 +496,7 @@ def codebook(
                 *codecs(i),
                 center=center,
                 keep_exact=keep_exact,
-                key_scale="" if qscale is None else "q" if qscale_mode else "qk",
+                key_scale=key_scale_option(qscale, qscale_mode),
             )
             for i in range(n)
         ]
@@ -482,3 +509,28 @@ def codebook(
         kept_tokens=keep_exact,
         high_layers=tuple(sorted({*high_layers, *value_high_layers})),
     )
+
+
+@register(
+    r"(?P<whole>[^~]+)~(?P<bounded>[^~]+)",
+    syntax="A~B",
+    help="scheme A in the layers whose cache holds the whole context and B in "
+    "the bounded (sliding-window) layers the model makes, e.g. Gemma 3's "
+    "512-token windows, which at long contexts hold a small share of the cache "
+    "(a model without them: A alone)",
+)
+def split_by_window(name, group_size, whole, bounded):
+    parts = [get_scheme(part, group_size) for part in (whole, bounded)]
+
+    def make_cache(model):
+        whole_caches, bounded_caches = (part.make_cache(model) for part in parts)
+        if len(whole_caches) != len(bounded_caches):
+            raise ValueError(f"{name}: the two schemes make different layer counts.")
+        return [
+            b if is_bounded else w
+            for w, b, is_bounded in zip(
+                whole_caches, bounded_caches, bounded_layers(model)
+            )
+        ]
+
+    return replace(parts[0], name=name, make_cache=make_cache, is_reference=False)

@@ -57,6 +57,9 @@ KINDS = {
     "center-kv": lambda m: [
         CenteredQuantizedKVCache(64, 4, center="kv") for _ in m.layers
     ],
+    "center+qscale": lambda m: [
+        CenteredQuantizedKVCache(64, 4, rotate=True, key_scale="qk") for _ in m.layers
+    ],
     "codebook-3,4": lambda m: [CodebookKVCache(3, 4) for _ in m.layers],
 }
 
