@@ -28,6 +28,11 @@ from omlx_cache.center import (
 
 D = 64
 
+# float32 on the CPU; on CUDA the fused kernels read the cache in half
+# precision (6e-4 measured on an H200)
+ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
+EXACT_TOLERANCE = 2e-3 if ON_CUDA else 1e-4
+
 
 def skewed(length, seed, batch=1):
     """Keys small where queries are large (channel by channel), with a large
@@ -148,7 +153,7 @@ def test_weighted_cache_attends_over_what_it_holds(mode, exact, residual):
     ]
     mask = mx.arange(65)[None] <= mx.arange(60, 65)[:, None]
     ref = float_attention(*held, step, mask)
-    assert relative_error(out, ref) < 1e-4
+    assert relative_error(out, ref) < EXACT_TOLERANCE
     if exact:
         assert mx.allclose(held[0][:, :, :exact], keys[:, :, :exact], atol=1e-4)
 
