@@ -29,9 +29,11 @@ from omlx_cache.center import (
 D = 64
 
 # float32 on the CPU; on CUDA the fused kernels read the cache in half
-# precision (6e-4 measured on an H200)
+# precision (6e-4 measured on an H200) and float32 matmuls (the rotation
+# back of what is stored) run in TF32
 ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 EXACT_TOLERANCE = 2e-3 if ON_CUDA else 1e-4
+KEPT_ATOL = 1e-2 if ON_CUDA else 1e-4
 
 
 def skewed(length, seed, batch=1):
@@ -155,7 +157,10 @@ def test_weighted_cache_attends_over_what_it_holds(mode, exact, residual):
     ref = float_attention(*held, step, mask)
     assert relative_error(out, ref) < EXACT_TOLERANCE
     if exact:
-        assert mx.allclose(held[0][:, :, :exact], keys[:, :, :exact], atol=1e-4)
+        kept = held[0][:, :, :exact]
+        assert mx.allclose(kept, keys[:, :, :exact], atol=KEPT_ATOL), (
+            f"{mx.abs(kept - keys[:, :, :exact]).max().item():.2e}"
+        )
 
 
 @pytest.mark.parametrize("mode", ["qk", "q"])
