@@ -73,11 +73,15 @@ class Driver:
             lib.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
 
 
-@functools.cache
 def driver() -> Driver | None:
     """The CUDA driver if MLX runs on a CUDA GPU, else None."""
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         return None
+    return _driver()
+
+
+@functools.cache
+def _driver() -> Driver | None:
     try:
         return Driver(ctypes.CDLL("libcuda.so.1"))
     except (OSError, AttributeError):
