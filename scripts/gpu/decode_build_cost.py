@@ -1,0 +1,86 @@
+"""Host time to build one decode layer's graph: codebook-3 against affine 4-bit.
+
+Per layer of a Llama-3-8B shape (32 q / 8 kv heads, head dim 128), caches of
+``--context`` tokens: the median microseconds Python and MLX spend building a
+decode token's cache update and attention (the kernels' launches included as
+graph nodes, not run), each step evaluated outside the timing. A decode step
+that waits on the host pays this once per layer. ``--profile`` adds cProfile's
+functions with the most time of their own.
+
+    python3 scripts/gpu/decode_build_cost.py --context 32768
+"""
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import mlx.core as mx
+from mlx_lm.models.cache import QuantizedKVCache
+
+from omlx_cache.codebook import CodebookKVCache
+
+N_Q, N_KV, D = 32, 8, 128
+
+
+def filled_caches(context):
+    keys = mx.random.normal((1, N_KV, context, D)).astype(mx.float16)
+    affine = QuantizedKVCache(group_size=64, bits=4)
+    affine.reserve = context + 4096
+    codebook = CodebookKVCache(3)
+    codebook.page_size = context + 4096
+    for cache in (affine, codebook):
+        cache.update_and_fetch(keys, keys)
+        mx.eval(cache.state)
+    return {"4": affine, "codebook-3": codebook}
+
+
+def decode_layer(cache, query, token):
+    def build():
+        keys, values = cache.update_and_fetch(token, token)
+        return cache.scaled_dot_product_attention(
+            query, keys, values, scale=D**-0.5, mask=None
+        )
+
+    return build
+
+
+def median_us(build, steps):
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        out = build()
+        times.append(time.perf_counter() - start)
+        mx.eval(out)
+    return 1e6 * statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--profile", action="store_true")
+    opts = parser.parse_args()
+    query = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
+    token = mx.random.normal((1, N_KV, 1, D)).astype(mx.float16)
+    for _ in range(opts.repeats):
+        for name, cache in filled_caches(opts.context).items():
+            build = decode_layer(cache, query, token)
+            print(f"{name:11s} {median_us(build, opts.steps):6.1f} us", flush=True)
+    if opts.profile:
+        for name, cache in filled_caches(opts.context).items():
+            build = decode_layer(cache, query, token)
+            profiler = cProfile.Profile()
+            for _ in range(opts.steps):
+                profiler.enable()
+                out = build()
+                profiler.disable()
+                mx.eval(out)
+            print(f"== {name}")
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()
