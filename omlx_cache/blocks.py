@@ -145,25 +145,6 @@ def sync_directory(directory: Path):
         os.close(fd)
 
 
-class ReadBuffer:
-    """Memory that block files are read into, reused from one file to the
-    next: fresh memory for every file costs a page fault every 4 KiB."""
-
-    def __init__(self):
-        self.data = bytearray()
-
-    def read(self, path: Path) -> memoryview:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if len(self.data) < size:
-                self.data = bytearray(size)
-            view = memoryview(self.data)[:size]
-            got = 0
-            while got < size and (n := f.readinto(view[got:])):
-                got += n
-        return view[:got]
-
-
 def _parse_header(data, size: int) -> tuple[int, dict, dict, bytes, str]:
     """(header length, tensor entries, metadata, header with its CRC field
     zeroed, stored CRC) of a block file of ``size`` bytes whose first bytes
@@ -229,21 +210,26 @@ def tensor_views(data, offset: int, layout: tuple, names=None) -> dict:
     return tensors
 
 
-def read_block(path: Path, buffer: ReadBuffer | None = None) -> tuple[dict, dict, int]:
+def _check_crc(crc: str, prefix, zeroed: bytes, data):
+    """BadBlock unless the file's length field, header (its CRC field zeroed)
+    and data have the stored CRC."""
+    found = zlib.crc32(data, zlib.crc32(zeroed, zlib.crc32(prefix)))
+    if f"{found:08x}" != crc:
+        raise BadBlock("CRC mismatch (corrupt or truncated)")
+
+
+def read_block(path: Path) -> tuple[dict, dict, int]:
     """(metadata, {name: (dtype, numpy array)}, file size) of a block file
     whose CRC and tensor layout check out, else BadBlock. The arrays view the
-    file's bytes: in ``buffer`` if given (valid until its next read), else in
-    memory of their own. A missing file raises FileNotFoundError."""
+    file's bytes. A missing file raises FileNotFoundError."""
     try:
-        data = memoryview(path.read_bytes()) if buffer is None else buffer.read(path)
+        data = memoryview(path.read_bytes())
     except FileNotFoundError:
         raise
     except OSError as e:
         raise BadBlock(f"cannot read it ({e.strerror})") from None
     n, entries, metadata, zeroed, crc = _parse_header(data, len(data))
-    found = zlib.crc32(data[8 + n :], zlib.crc32(zeroed, zlib.crc32(data[:8])))
-    if f"{found:08x}" != crc:
-        raise BadBlock("CRC mismatch (corrupt or truncated)")
+    _check_crc(crc, data[:8], zeroed, data[8 + n :])
     layout = tensor_layout(entries)
     if 8 + n + data_bytes(layout) != len(data):
         raise BadBlock("size does not match its tensors")
@@ -275,9 +261,7 @@ def read_block_into(path: Path, slot: memoryview, layout: tuple, names) -> tuple
         raise BadBlock(f"cannot read it ({e.strerror})") from None
     if got != len(slot):
         raise BadBlock("truncated (data)")
-    found = zlib.crc32(slot, zlib.crc32(zeroed, zlib.crc32(prefix)))
-    if f"{found:08x}" != crc:
-        raise BadBlock("CRC mismatch (corrupt or truncated)")
+    _check_crc(crc, prefix, zeroed, slot)
     return metadata, tensor_views(slot, 0, layout, names), size
 
 
@@ -301,11 +285,9 @@ def check_block(path: Path, metadata: dict, tensors: dict, key: str, parent, ind
         raise BadBlock("its hash does not match its tokens")
 
 
-def verify_block(
-    path: Path, key: str, parent: str | None = None, index=None, buffer=None
-):
+def verify_block(path: Path, key: str, parent: str | None = None, index=None):
     """``read_block``, and the metadata checked (``check_block``)."""
-    metadata, tensors, size = read_block(path, buffer)
+    metadata, tensors, size = read_block(path)
     check_block(path, metadata, tensors, key, parent, index)
     return metadata, tensors, size
 
@@ -487,8 +469,7 @@ def block_tensors(layers: list, tokens, start: int, stop: int) -> dict:
 
 
 class Plan:
-    """Restoring a chain of blocks (full ones of ``block_tokens`` tokens, the
-    last possibly partial), and what every block must share with the first
+    """Restoring a chain of blocks (full ones, the last possibly partial), and what every block must share with the first
     (tensor layout, classes and settings).
 
     The data of every full block (its bytes after the header) is read straight
@@ -498,8 +479,7 @@ class Plan:
     one), so no Python runs per block and part. ``slot`` waits for
     ``allocate``, so blocks can be opened meanwhile."""
 
-    def __init__(self, metadata: dict, tensors: dict, length: int, block_tokens: int):
-        self.block_tokens = block_tokens
+    def __init__(self, metadata: dict, tensors: dict):
         self.layers_text = metadata["layers"]
         self.described = json.loads(self.layers_text)
         first = len(tensors["tokens"][1])
@@ -535,10 +515,10 @@ class Plan:
         self._allocated = threading.Event()
 
     @classmethod
-    def from_block(cls, metadata, tensors, length: int, block_tokens: int):
-        """The plan for ``length`` tokens from the chain's first block."""
+    def from_block(cls, metadata, tensors):
+        """The plan from the chain's first block."""
         try:
-            return cls(metadata, tensors, length, block_tokens)
+            return cls(metadata, tensors)
         except (KeyError, TypeError, ValueError) as e:
             raise BadBlock(f"bad layer description ({type(e).__name__})") from None
 

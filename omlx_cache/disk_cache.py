@@ -388,8 +388,7 @@ class DiskPromptCache:
 
         try:
             metadata, tensors, first_bytes = verify(0)
-            length = sum(count for _, count in chain)
-            plan = Plan.from_block(metadata, tensors, length, self.block_tokens)
+            plan = Plan.from_block(metadata, tensors)
         except FileNotFoundError:
             return None
         except BadBlock as e:
@@ -641,8 +640,7 @@ def check_directory(directory, remove: bool = False) -> tuple[int, list]:
                 continue
             try:
                 metadata, tensors, _ = verify_block(path, key)
-                count = len(tensors["tokens"][1])
-                Plan.from_block(metadata, tensors, count, count)
+                Plan.from_block(metadata, tensors)
                 good += 1
             except BadBlock as e:
                 bad.append((path, str(e)))

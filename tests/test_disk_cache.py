@@ -19,7 +19,7 @@ from mlx_lm.server import make_prompt_cache_tier
 from tiny_llama import make_model
 
 from omlx_cache import unified_memory
-from omlx_cache.blocks import BadBlock, ReadBuffer, read_block, token_slice
+from omlx_cache.blocks import BadBlock, Plan, read_block, token_slice
 from omlx_cache.center import CenteredQuantizedKVCache
 from omlx_cache.codebook import CodebookKVCache
 from omlx_cache.disk_cache import DiskPromptCache, check_directory, main
@@ -258,24 +258,33 @@ def test_foreign_block_is_skipped_and_removed(model, tokens, tmp_path, caplog):
     assert not victim.exists()
 
 
-def test_read_buffer_is_reused_across_files(model, tokens, tmp_path):
-    """Blocks read into one buffer (a tail, then full blocks, then the tail
-    again) parse as they do read on their own, and a corrupt one still fails
-    its CRC."""
+def test_read_into_a_slot_parses_as_a_whole_read(model, tokens, tmp_path):
+    """A full block read straight into a slot (its data after the header)
+    gives the metadata, tokens and settings a whole read gives, and the slot
+    holds the file's data; a corrupt one fails its CRC, a block of another
+    layout leaves the slot untouched."""
     t = tier(tmp_path)
-    t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "center-kv", 250))
     t.flush()
     files = block_files(tmp_path)
-    buffer = ReadBuffer()
-    for i in (7, 0, 1, 7):
-        metadata, tensors, size = read_block(files[i], buffer)
+    metadata, tensors, _ = read_block(files[0])
+    plan = Plan.from_block(metadata, tensors)
+    plan.allocate(2)
+    for i in (0, 1):
+        metadata, small, size = plan.read(files[i], i)
         alone = read_block(files[i])
         assert metadata == alone[0] and size == alone[2] == files[i].stat().st_size
-        for name, (dtype, x) in tensors.items():
+        assert set(small) == plan.small and "0.settings.0" in small
+        for name, (dtype, x) in small.items():
             assert dtype == alone[1][name][0] and (x == alone[1][name][1]).all()
+        data = files[i].read_bytes()
+        assert bytes(plan.slot(i)) == data[len(data) - len(plan.slot(i)) :]
+    tail = files[7]  # a partial block: another layout
+    before = bytes(plan.slot(1))
+    assert plan.read(tail, 1) is None and bytes(plan.slot(1)) == before
     corrupt(files[1])
     with pytest.raises(BadBlock, match="CRC"):
-        read_block(files[1], buffer)
+        plan.read(files[1], 1)
 
 
 def test_check_directory(model, tokens, tmp_path, capsys):
