@@ -352,8 +352,6 @@ class Codebook:
 
     def encode(self, x: mx.array):
         """(packed indices, float16 norms) of the vectors on the last axis."""
-        from . import codebook_kernel
-
         if codebook_kernel.encodes(x, self):
             return codebook_kernel.encode(x, self)
         dim = x.shape[-1]
@@ -833,8 +831,6 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
-        from . import codebook_kernel
-
         self._flush_first_write(queries)
         sinks = self._center_sinks(queries, scale, sinks)
         queries = self._scaled_queries(queries)
@@ -1002,16 +998,20 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         self.offset += keys.shape[2]
         return self.key_pages, self.value_pages
 
+    def _buffer_size(self, keys, values) -> int:
+        if self.decode_buffer is not None:
+            return self.decode_buffer
+        if self.held_keys is not None:
+            # asked once per cache: a decode step's host time counts
+            return self.held_keys.shape[2]
+        codecs = (self.key_codec, self.value_codec)
+        return 32 if codebook_kernel.holds(keys, values, *codecs) else 0
+
     def _hold(self, keys, values) -> bool:
         """Hold a decode token unquantized if the buffer is on (True)."""
-        from . import codebook_kernel
-
         if self.keep_exact or self._pending is not None:
             return False  # the kernels do not read kept tokens
-        size = self.decode_buffer
-        if size is None:
-            codecs = (self.key_codec, self.value_codec)
-            size = 32 if codebook_kernel.holds(keys, values, *codecs) else 0
+        size = self._buffer_size(keys, values)
         if not size:
             return False
         B, n_kv_heads, _, dim = keys.shape
@@ -1307,3 +1307,7 @@ class BatchCodebookKVCache(_BatchExactKV, _CodebookKV, BatchKVCache):
 
     def size(self):
         return self._idx
+
+
+# last: codebook_kernel imports this module's codecs
+from . import codebook_kernel

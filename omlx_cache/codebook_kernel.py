@@ -1111,13 +1111,14 @@ def decode_attention(
         _no_held(queries.dtype),
         0,
     )
+    rotates_values = _rotates(value_codec)
     template = _template(
         D,
         G,
         key_codec.bits,
         value_codec.bits,
         _rotates(key_codec),
-        _rotates(value_codec),
+        rotates_values,
         n_kv_heads,
         qd._mask_kind(mask, B, length + n_held),
         mask is not None and not isinstance(mask, str) and mask.shape[0] > 1,
@@ -1172,7 +1173,7 @@ def decode_attention(
         sums,
         queries.dtype,
         (B, n_q_heads, 1, D),
-        _rotates(value_codec),
+        rotates_values,
     )
 
 

@@ -11,9 +11,11 @@ is scored. The reference scheme (``fp16``, a plain cache) always runs first;
 the others are compared with it token by token.
 
 ``--passkey 4096,8192`` adds a retrieval test per scheme: a five-digit key
-hidden at ``--passkey-depths`` depths of a filler text of that many tokens,
-asked for at the end (``passkey_prompt``); a trial succeeds when greedy
-decoding through the scheme's cache gives every token of the key.
+hidden at ``--passkey-depths`` depths of a filler text of that many tokens
+(``--passkey-keys`` keys per depth), asked for at the end (``passkey_prompt``);
+a trial succeeds when greedy decoding through the scheme's cache gives every
+token of the key. Each scheme's trials are paired with the reference's on the
+same prompts: keys lost and gained, and McNemar's exact p-value.
 ``--dtype`` casts the model (and so the reference cache) to the dtype users
 run, e.g. bfloat16.
 """
@@ -387,13 +389,17 @@ def evaluate_passkey(
     seed: int = 0,
     bos: int | None = None,
     progress: Progress | None = None,
+    keys: int = 1,
 ) -> list[dict]:
     """Per scheme, ``{context: {"correct", "trials", "runs": [trial, ...]}}``
-    for a passkey at each of ``depths`` in prompts of ``contexts`` tokens."""
+    for ``keys`` passkeys at each of ``depths`` in prompts of ``contexts``
+    tokens; the schemes after the first (the reference) also get
+    ``"vs_reference"`` (``paired_outcomes``)."""
     results = [{} for _ in schemes]
     for context in contexts:
-        for i, depth in enumerate(depths):
-            key = passkey_key(context, i, seed)
+        trials = [(k, i, d) for k in range(keys) for i, d in enumerate(depths)]
+        for k, i, depth in trials:
+            key = passkey_key(context, k * len(depths) + i, seed)
             prompt = passkey_prompt(tokenizer, context, depth, key, bos)
             for scheme, result in zip(schemes, results):
                 if progress is not None:
@@ -406,10 +412,27 @@ def evaluate_passkey(
                 if progress is not None:
                     progress.step()
     for result in results:
-        for by_context in result.values():
+        for context, by_context in result.items():
             by_context["trials"] = len(by_context["runs"])
             by_context["correct"] = sum(t["correct"] for t in by_context["runs"])
+            if result is not results[0]:
+                reference = results[0][context]["runs"]
+                by_context["vs_reference"] = paired_outcomes(
+                    reference, by_context["runs"]
+                )
     return results
+
+
+def paired_outcomes(reference: Sequence[dict], runs: Sequence[dict]) -> dict:
+    """How a scheme's passkey trials differ from the reference's on the same
+    prompts: keys ``lost`` (the reference retrieved them, the scheme did not),
+    ``gained``, and the exact two-sided McNemar p-value of that difference
+    (a binomial test on the trials that differ)."""
+    lost = sum(r["correct"] and not t["correct"] for r, t in zip(reference, runs))
+    gained = sum(t["correct"] and not r["correct"] for r, t in zip(reference, runs))
+    n, low = lost + gained, min(lost, gained)
+    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2**n if n else 1.0
+    return {"lost": lost, "gained": gained, "p": min(1.0, 2 * tail)}
 
 
 # ---------------------------------------------------------------------------
@@ -555,11 +578,15 @@ def element_bits(r: dict) -> dict:
 
 
 def format_passkey(r: dict) -> str:
-    """``4096: 8/8, 8192: 7/8`` from a result's passkey trials."""
-    return ", ".join(
-        f"{context}: {x['correct']}/{x['trials']}"
-        for context, x in r.get("passkey", {}).items()
-    )
+    """``4096: 8/8, 8192: 7/8 (-2 +1)`` from a result's passkey trials: keys
+    retrieved, then lost and gained against the reference's trials."""
+    parts = []
+    for context, x in r.get("passkey", {}).items():
+        part = f"{context}: {x['correct']}/{x['trials']}"
+        if vs := x.get("vs_reference"):
+            part += f" (-{vs['lost']} +{vs['gained']})"
+        parts.append(part)
+    return ", ".join(parts)
 
 
 def summary_table(results: Sequence[dict]) -> str:
@@ -717,6 +744,13 @@ def parse_args(argv=None):
         help="needle depths per passkey context, evenly from 0 to 1 (default 8)",
     )
     parser.add_argument(
+        "--passkey-keys",
+        type=int,
+        default=1,
+        help="passkeys per depth (default 1): more trials, so that a scheme's "
+        "difference from the reference can be told from chance",
+    )
+    parser.add_argument(
         "--passkey-chunk",
         type=int,
         default=512,
@@ -728,7 +762,10 @@ def parse_args(argv=None):
         help="bounded context for every scheme, the reference too: rotating "
         "caches of this many tokens keeping the first 4 (as mlx_lm's --max-kv-size)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.passkey_keys < 1:
+        parser.error(f"--passkey-keys must be 1 or more, got {args.passkey_keys}")
+    return args
 
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
@@ -807,7 +844,7 @@ def main(argv=None) -> dict:
     if hint := blas_hint():
         print(hint, file=sys.stderr)
     chunks = math.ceil((args.window_tokens - 1) / args.chunk)
-    trials = len(args.passkey) * len(depths)
+    trials = len(args.passkey) * len(depths) * args.passkey_keys
     progress = Progress((args.windows * chunks + trials) * len(schemes))
     tic = time.perf_counter()
     results = evaluate_tokens(model, windows, schemes, args.chunk, args.seed, progress)
@@ -822,6 +859,7 @@ def main(argv=None) -> dict:
             args.seed,
             tokenizer.bos_token_id,
             progress,
+            args.passkey_keys,
         )
         for r, p in zip(results, passkey):
             r["passkey"] = p
@@ -841,6 +879,7 @@ def main(argv=None) -> dict:
         "max_kv_size": args.max_kv_size,
         "dtype": args.dtype or model_dtype(model),
         "passkey_depths": depths,
+        "passkey_keys": args.passkey_keys if args.passkey else None,
         "passkey_chunk": args.passkey_chunk if args.passkey else None,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": machine(),

@@ -279,6 +279,42 @@ def test_main_dtype_and_passkey(tmp_path, model, capsys):
     assert "| passkey |" in printed and "300: " in printed
     with pytest.raises(SystemExit):
         kv_eval.parse_args(["--passkey", "4096,x"])
+    with pytest.raises(SystemExit):
+        kv_eval.parse_args(["--passkey", "4096", "--passkey-keys", "0"])
+
+
+def test_passkey_keys_pair_with_the_reference(tmp_path, model):
+    from mlx_lm import load
+
+    write_model_dir(tmp_path / "tiny", model)
+    model, tokenizer = load(str(tmp_path / "tiny"))
+    found = kv_eval.resolve_schemes(["4"], 64)
+    results = kv_eval.evaluate_passkey(
+        model, tokenizer, found, [300], [0.0, 1.0], chunk=64, keys=2
+    )
+    runs = results[0]["300"]["runs"]
+    assert results[0]["300"]["trials"] == 4 and "vs_reference" not in results[0]["300"]
+    assert [t["depth"] for t in runs] == [0.0, 1.0, 0.0, 1.0]
+    assert len({t["key"] for t in runs}) == 4
+    # the first key per depth is the one a run of one key per depth uses
+    assert runs[1]["key"] == kv_eval.passkey_key(300, 1)
+    vs = results[1]["300"]["vs_reference"]
+    assert set(vs) == {"lost", "gained", "p"} and 0 <= vs["p"] <= 1
+
+
+def test_paired_outcomes():
+    def runs(bits):
+        return [{"correct": b == "1"} for b in bits]
+
+    same = kv_eval.paired_outcomes(runs("1100"), runs("1100"))
+    assert same == {"lost": 0, "gained": 0, "p": 1.0}
+    vs = kv_eval.paired_outcomes(runs("11111111"), runs("00000001"))
+    assert (vs["lost"], vs["gained"]) == (7, 0)
+    assert vs["p"] == pytest.approx(2 / 2**7)
+    vs = kv_eval.paired_outcomes(runs("1100"), runs("0110"))
+    assert (vs["lost"], vs["gained"], vs["p"]) == (1, 1, 1.0)
+    r = {"passkey": {"8192": {"correct": 6, "trials": 8, "vs_reference": vs}}}
+    assert kv_eval.format_passkey(r) == "8192: 6/8 (-1 +1)"
 
 
 def test_layer_bits_and_rule(model, windows):
