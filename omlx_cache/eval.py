@@ -690,6 +690,18 @@ def resolve_schemes(names: Sequence[str], group_size) -> list[kv_schemes.Scheme]
     return [references[0], *rest]
 
 
+def check_schemes(model, schemes: Sequence[kv_schemes.Scheme]):
+    """Run two tokens through every scheme's cache, so that a scheme that
+    does not fit the model (a group size the head dim does not divide, a
+    layer it lacks) fails before the long runs rather than after them."""
+    tokens = mx.array([[0, 0]])
+    for scheme in schemes:
+        try:
+            mx.eval(model(tokens, cache=scheme.make_cache(model)))
+        except ValueError as e:
+            raise ValueError(f"KV scheme {scheme.name!r} does not fit the model: {e}")
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m omlx_cache.eval",
@@ -833,6 +845,10 @@ def main(argv=None) -> dict:
     model, tokenizer = load_model(args.model)
     if args.dtype:
         model.set_dtype(DTYPES[args.dtype])
+    try:
+        check_schemes(model, schemes)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
     depths = passkey_depths(args.passkey_depths) if args.passkey else []
     # the code as imported now, whatever changes on disk during the run
     run_versions = versions()

@@ -302,6 +302,19 @@ def test_passkey_keys_pair_with_the_reference(tmp_path, model):
     assert set(vs) == {"lost", "gained", "p"} and 0 <= vs["p"] <= 1
 
 
+def test_scheme_that_does_not_fit_fails_first(tmp_path, model, capsys):
+    model_dir = tmp_path / "tiny"
+    write_model_dir(model_dir, model)
+    text = tmp_path / "text.raw"
+    text.write_bytes(TEXT.encode())
+    out = tmp_path / "eval.json"
+    argv = ["--model", str(model_dir), "--text", str(text), "--kv", "4"]
+    argv += ["--kv", "4/g64,128", "--windows", "1", "--window-tokens", "48"]
+    with pytest.raises(SystemExit, match="'4/g64,128' does not fit the model"):
+        kv_eval.main([*argv, "--out", str(out)])
+    assert not out.exists()
+
+
 def test_paired_outcomes():
     def runs(bits):
         return [{"correct": b == "1"} for b in bits]
