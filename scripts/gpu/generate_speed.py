@@ -5,8 +5,10 @@ over a random prompt at a bench preset's shape, with random 4-bit weights:
 time to the first token (prefill) and decode tokens/s after it, per KV
 scheme, side by side in one process. Schemes: ``fp16`` or ``B`` / ``KB,VB``
 (``kv_bits``, quantized from the first token); ``/h0`` quantizes each decode
-token as it comes (``QuantizedKVCache.decode_buffer = 0``), ``/r0`` leaves
-the cache unreserved (pages of 4,096 tokens as they fill). ``codebook-...``
+token as it comes (``QuantizedKVCache.decode_buffer = 0``, codebook caches
+too), ``/r0`` leaves the cache unreserved (pages of 4,096 tokens as they
+fill), ``/clear`` empties MLX's buffer cache once the first token is out
+(what the prefill's freed buffers do to decode). ``codebook-...``
 names (``omlx_cache.schemes``, e.g. ``codebook-3``, ``codebook-3k-4v``) build
 ``CodebookKVCache``s whose first page holds what ``generate_step`` reserves
 for a quantized cache (the prompt plus at most 4,096 new tokens; ``/r0``:
@@ -37,7 +39,7 @@ def parse(name: str):
     """(kv_bits or None, decode_buffer or None, reserve or None, kept first
     tokens, residual): options after the bits are ``h0`` (no held decode
     tokens), ``r0`` (no reservation), ``xN`` (``--kv-keep-exact N``),
-    ``resN`` (``--kv-residual N``) and ``nocopy`` (prefill without patch
+    ``resN`` (``--kv-residual N``), ``clear`` and ``nocopy`` (prefill without patch
     0020's dequantized copy: the fused kernel or the MLX-ops path)."""
     base, *options = name.split("/")
     bits = None
@@ -47,7 +49,7 @@ def parse(name: str):
     held = 0 if "h0" in options else None
     reserve = 0 if "r0" in options else None
     counts = {"x": 0, "res": 0}
-    unknown = set(options) - {"h0", "r0", "nocopy"}
+    unknown = set(options) - {"h0", "r0", "nocopy", "clear"}
     for option in sorted(unknown):
         for prefix in counts:
             if option.startswith(prefix) and option[len(prefix) :].isdigit():
@@ -79,6 +81,8 @@ def run(model, name, context, tokens, vocab):
                 c.page_size = CodebookKVCache.page_size
             else:
                 c.page_size = context + min(tokens, 4096)
+            if held == 0:
+                c.decode_buffer = 0
     else:
         cache = make_prompt_cache(
             model, kv_bits=bits, kv_keep_exact=keep_exact, kv_residual=residual
@@ -100,6 +104,8 @@ def run(model, name, context, tokens, vocab):
             prefill_step_size=2048,
         ):
             times.append(time.perf_counter())
+            if len(times) == 1 and "clear" in name.split("/"):
+                mx.clear_cache()
     steps = [b - a for a, b in itertools.pairwise(times)]
     return {
         "context": context,
@@ -114,6 +120,7 @@ def run(model, name, context, tokens, vocab):
         if isinstance(cache[0], (QuantizedKVCache, CodebookKVCache))
         else None,
         "peak_gib": mx.get_peak_memory() / 2**30,
+        "steps_ms": [round(1e3 * x, 3) for x in steps],
     }
 
 
