@@ -71,9 +71,10 @@ def prefill_copy(on: bool):
         quantized_prefill.DECODED_BYTES = budget
 
 
-def run(model, name, context, tokens, vocab):
+def make_cache(model, name, context, tokens):
+    """The prompt cache for scheme ``name`` (``generate_step``'s own for the
+    affine schemes, with their options) and its ``kv_bits``."""
     bits, held, reserve, keep_exact, residual = parse(name)
-    prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
     if name.startswith("codebook"):
         cache = get_scheme(name.split("/")[0]).make_cache(model)
         for c in cache:
@@ -87,13 +88,21 @@ def run(model, name, context, tokens, vocab):
         cache = make_prompt_cache(
             model, kv_bits=bits, kv_keep_exact=keep_exact, kv_residual=residual
         )
-        if reserve is not None:
-            for c in cache:
+        for c in cache:
+            if reserve is not None:
                 c.reserve = reserve
+            if held is not None and isinstance(c, QuantizedKVCache):
+                c.decode_buffer = held
+    return cache, bits
+
+
+def run(model, name, context, tokens, vocab):
+    prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
+    cache, bits = make_cache(model, name, context, tokens)
     mx.clear_cache()
     mx.reset_peak_memory()
     times = []
-    with bench.decode_buffer(held), prefill_copy("nocopy" not in name.split("/")):
+    with prefill_copy("nocopy" not in name.split("/")):
         start = time.perf_counter()
         for _ in generate_step(
             prompt,

@@ -1,0 +1,160 @@
+"""Decode speed of KV schemes through ``generate_step``, their steps interleaved.
+
+On the lent GPU machine a decode step's time moves by a factor of two within
+one generation (phases of tens of steps at 5 or at 10 ms), so schemes timed one
+after another differ by the phase each met. Here every scheme gets its own
+``generate_step`` over the same random prompt, all prefilled first and kept
+alive; then the schemes take turns, ``--block-steps`` decode steps each, for
+``--blocks`` rounds. The first two steps of a turn are not counted (the
+pipelined loop's step in flight was made during another scheme's turn).
+Each scheme's median step is reported with the median, over rounds, of its
+turn's median against the first scheme's in the same round (and a 95%
+interval of that ratio from the rounds: the order statistics a sign test
+gives). Scheme names as ``generate_speed.py`` (``4``, ``8,4``, ``codebook-3``,
+``/h0``, ``/r0``, ...).
+
+    python3 scripts/gpu/generate_interleaved.py --context 131072 \\
+        --schemes 4 codebook-3 --out $OUT/interleaved.json
+"""
+
+import argparse
+import itertools
+import json
+import math
+import statistics
+import time
+
+import mlx.core as mx
+from generate_speed import make_cache, parse
+from mlx_lm.generate import generate_step
+
+from omlx_cache import bench
+
+SKIPPED = 2  # steps of a turn not counted
+
+
+def start(model, name, context, tokens, vocab):
+    """A scheme's ``generate_step``, prefilled: (generator, first token s)."""
+    if "nocopy" in name.split("/") or "clear" in name.split("/"):
+        raise ValueError(f"{name!r}: /nocopy and /clear change the whole process")
+    prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
+    cache, bits = make_cache(model, name, context, tokens)
+    tic = time.perf_counter()
+    steps = generate_step(
+        prompt,
+        model,
+        max_tokens=tokens,
+        prompt_cache=cache,
+        kv_bits=bits,
+        prefill_step_size=2048,
+    )
+    next(steps)
+    return steps, time.perf_counter() - tic
+
+
+def turn(steps, n):
+    """Seconds of each of ``n`` decode steps of a generator."""
+    times = [time.perf_counter()]
+    for _ in range(n):
+        next(steps)
+        times.append(time.perf_counter())
+    return [b - a for a, b in itertools.pairwise(times)]
+
+
+def ratio_interval(ratios):
+    """The median of ``ratios`` and a 95% interval for it from order
+    statistics (binomial, p = 1/2); None where there are too few."""
+    n = len(ratios)
+    ordered = sorted(ratios)
+    k = -1
+    while sum(math.comb(n, i) for i in range(k + 2)) / 2**n <= 0.025:
+        k += 1
+    interval = None if k < 0 else (ordered[k], ordered[n - 1 - k])
+    return statistics.median(ratios), interval
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama3-8b", choices=sorted(bench.PRESETS))
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--schemes", nargs="+", default=["4", "codebook-3"])
+    parser.add_argument("--blocks", type=int, default=12, help="rounds of turns")
+    parser.add_argument("--block-steps", type=int, default=16, help="steps per turn")
+    parser.add_argument(
+        "--warmup", type=int, default=4608, help="context of an untimed round"
+    )
+    parser.add_argument("--out", required=True)
+    opts = parser.parse_args()
+    for name in opts.schemes:
+        parse(name)
+    if opts.block_steps <= SKIPPED:
+        parser.error(f"--block-steps must be more than {SKIPPED}")
+    preset = bench.PRESETS[opts.preset]
+    model = bench.build_model(preset, getattr(mx, preset.get("dtype", "float16")))
+    vocab = model.args.vocab_size
+    tokens = opts.blocks * opts.block_steps + 2
+
+    # compile every scheme's kernels in a short run first
+    for name in opts.schemes:
+        steps, _ = start(model, name, opts.warmup, 2 * opts.block_steps, vocab)
+        turn(steps, opts.block_steps)
+        del steps
+    mx.clear_cache()
+
+    generators, first_token = [], []
+    for name in opts.schemes:
+        steps, seconds = start(model, name, opts.context, tokens, vocab)
+        generators.append(steps)
+        first_token.append(seconds)
+        print(
+            f"{name:<12} prefilled {opts.context} tokens in {seconds:.2f} s", flush=True
+        )
+
+    counted = [[] for _ in opts.schemes]
+    rounds = []
+    for _ in range(opts.blocks):
+        medians = []
+        for steps, kept in zip(generators, counted):
+            times = turn(steps, opts.block_steps)[SKIPPED:]
+            kept.extend(times)
+            medians.append(statistics.median(times))
+        rounds.append(medians)
+    rows = []
+    for i, name in enumerate(opts.schemes):
+        ratios = [r[0] / r[i] for r in rounds]  # its tok/s over the first's
+        median, interval = ratio_interval(ratios)
+        row = {
+            "scheme": name,
+            "first_token_s": first_token[i],
+            "decode_ms_median": 1e3 * statistics.median(counted[i]),
+            "decode_tok_s": 1 / statistics.median(counted[i]),
+            "vs_first_median": median,
+            "vs_first_interval": interval,
+            "rounds_faster_than_first": sum(x > 1 for x in ratios),
+            "round_medians_ms": [1e3 * r[i] for r in rounds],
+            "steps_ms": [round(1e3 * x, 3) for x in counted[i]],
+        }
+        rows.append(row)
+        band = "" if interval is None else f" ({interval[0]:.3f}-{interval[1]:.3f})"
+        print(
+            f"{name:<12} decode {row['decode_tok_s']:.1f} tok/s (median step "
+            f"{row['decode_ms_median']:.2f} ms), vs {opts.schemes[0]}: "
+            f"{median:.3f}x{band}, faster in {row['rounds_faster_than_first']} "
+            f"of {opts.blocks} rounds",
+            flush=True,
+        )
+    report = {
+        "preset": opts.preset,
+        "context": opts.context,
+        "blocks": opts.blocks,
+        "block_steps": opts.block_steps,
+        "skipped_per_turn": SKIPPED,
+        "device": str(mx.default_device()),
+        "rows": rows,
+    }
+    with open(opts.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
