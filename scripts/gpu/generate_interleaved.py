@@ -11,7 +11,9 @@ Each scheme's median step is reported with the median, over rounds, of its
 turn's median against the first scheme's in the same round (and a 95%
 interval of that ratio from the rounds: the order statistics a sign test
 gives). Scheme names as ``generate_speed.py`` (``4``, ``8,4``, ``codebook-3``,
-``/h0``, ``/r0``, ...).
+``/h0``, ``/r0``, ...), plus ``/fill``: the cache filled with random normal
+keys and values instead of a prefill through the model (as
+``codebook_step_profile.py`` fills them), then one prompt token.
 
     python3 scripts/gpu/generate_interleaved.py --context 131072 \\
         --schemes 4 codebook-3 --out $OUT/interleaved.json
@@ -33,12 +35,33 @@ from omlx_cache import bench
 SKIPPED = 2  # steps of a turn not counted
 
 
+def fill(model, cache, context):
+    """Each layer's cache holding ``context`` random normal keys and values."""
+    args = model.args
+    head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
+    shape = (1, args.num_key_value_heads, context, head_dim)
+    dtype = model.model.norm.weight.dtype
+    for i, c in enumerate(cache):
+        keys, values = (
+            mx.random.normal(shape, key=mx.random.key(2 * i + j)).astype(dtype)
+            for j in (0, 1)
+        )
+        c.update_and_fetch(keys, values)
+        mx.eval(c.state)
+
+
 def start(model, name, context, tokens, vocab):
     """A scheme's ``generate_step``, prefilled: (generator, first token s)."""
-    if "nocopy" in name.split("/") or "clear" in name.split("/"):
+    options = name.split("/")
+    if "nocopy" in options or "clear" in options:
         raise ValueError(f"{name!r}: /nocopy and /clear change the whole process")
     prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
+    filled = "fill" in options
+    name = "/".join(x for x in options if x != "fill")
     cache, bits = make_cache(model, name, context, tokens)
+    if filled:
+        fill(model, cache, context)
+        prompt = prompt[-1:]
     tic = time.perf_counter()
     steps = generate_step(
         prompt,
@@ -86,7 +109,7 @@ def main():
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
     for name in opts.schemes:
-        parse(name)
+        parse("/".join(x for x in name.split("/") if x != "fill"))
     if opts.block_steps <= SKIPPED:
         parser.error(f"--block-steps must be more than {SKIPPED}")
     preset = bench.PRESETS[opts.preset]
