@@ -28,15 +28,18 @@ import time
 
 import mlx.core as mx
 from generate_speed import make_cache, parse
-from mlx_lm.generate import generate_step
+from mlx_lm.generate import generate_step, reserve_quantized_cache
 
 from omlx_cache import bench
 
 SKIPPED = 2  # steps of a turn not counted
 
 
-def fill(model, cache, context):
-    """Each layer's cache holding ``context`` random normal keys and values."""
+def fill(model, cache, context, tokens):
+    """Each layer's cache holding ``context`` random normal keys and values
+    (affine caches reserve room for ``tokens`` more, as ``generate_step``
+    does for a prompt)."""
+    reserve_quantized_cache(cache, context + tokens)
     args = model.args
     head_dim = args.head_dim or args.hidden_size // args.num_attention_heads
     shape = (1, args.num_key_value_heads, context, head_dim)
@@ -60,7 +63,7 @@ def start(model, name, context, tokens, vocab):
     name = "/".join(x for x in options if x != "fill")
     cache, bits = make_cache(model, name, context, tokens)
     if filled:
-        fill(model, cache, context)
+        fill(model, cache, context, tokens)
         prompt = prompt[-1:]
     tic = time.perf_counter()
     steps = generate_step(
