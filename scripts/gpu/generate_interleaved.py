@@ -13,7 +13,9 @@ interval of that ratio from the rounds: the order statistics a sign test
 gives). Scheme names as ``generate_speed.py`` (``4``, ``8,4``, ``codebook-3``,
 ``/h0``, ``/r0``, ...), plus ``/fill``: the cache filled with random normal
 keys and values instead of a prefill through the model (as
-``codebook_step_profile.py`` fills them), then one prompt token.
+``codebook_step_profile.py`` fills them), then one prompt token; and
+``name@span``: the decode kernels' keys per block fixed at ``span`` during
+that scheme's turns (``codebook_step_profile.decode_span``).
 
     python3 scripts/gpu/generate_interleaved.py --context 131072 \\
         --schemes 4 codebook-3 --out $OUT/interleaved.json
@@ -27,6 +29,7 @@ import statistics
 import time
 
 import mlx.core as mx
+from codebook_step_profile import decode_span
 from generate_speed import make_cache, parse
 from mlx_lm.generate import generate_step, reserve_quantized_cache
 
@@ -55,7 +58,7 @@ def fill(model, cache, context, tokens):
 
 def start(model, name, context, tokens, vocab):
     """A scheme's ``generate_step``, prefilled: (generator, first token s)."""
-    options = name.split("/")
+    options = name.partition("@")[0].split("/")
     if "nocopy" in options or "clear" in options:
         raise ValueError(f"{name!r}: /nocopy and /clear change the whole process")
     prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
@@ -78,12 +81,13 @@ def start(model, name, context, tokens, vocab):
     return steps, time.perf_counter() - tic
 
 
-def turn(steps, n):
-    """Seconds of each of ``n`` decode steps of a generator."""
+def turn(steps, n, name):
+    """Seconds of each of ``n`` decode steps of scheme ``name``'s generator."""
     times = [time.perf_counter()]
-    for _ in range(n):
-        next(steps)
-        times.append(time.perf_counter())
+    with decode_span(int(name.partition("@")[2] or 0)):
+        for _ in range(n):
+            next(steps)
+            times.append(time.perf_counter())
     return [b - a for a, b in itertools.pairwise(times)]
 
 
@@ -112,7 +116,10 @@ def main():
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
     for name in opts.schemes:
-        parse("/".join(x for x in name.split("/") if x != "fill"))
+        base, _, span = name.partition("@")
+        parse("/".join(x for x in base.split("/") if x != "fill"))
+        if span and not span.isdigit():
+            parser.error(f"{name!r}: the keys per block after @ must be a number")
     if opts.block_steps <= SKIPPED:
         parser.error(f"--block-steps must be more than {SKIPPED}")
     preset = bench.PRESETS[opts.preset]
@@ -123,7 +130,7 @@ def main():
     # compile every scheme's kernels in a short run first
     for name in opts.schemes:
         steps, _ = start(model, name, opts.warmup, 2 * opts.block_steps, vocab)
-        turn(steps, opts.block_steps)
+        turn(steps, opts.block_steps, name)
         del steps
     mx.clear_cache()
 
@@ -140,8 +147,8 @@ def main():
     rounds = []
     for _ in range(opts.blocks):
         medians = []
-        for steps, kept in zip(generators, counted):
-            times = turn(steps, opts.block_steps)[SKIPPED:]
+        for name, steps, kept in zip(opts.schemes, generators, counted):
+            times = turn(steps, opts.block_steps, name)[SKIPPED:]
             kept.extend(times)
             medians.append(statistics.median(times))
         rounds.append(medians)
