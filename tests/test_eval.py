@@ -163,13 +163,17 @@ def write_model_dir(path, model):
     )
 
 
-def test_main_writes_json(tmp_path, model, capsys):
-    model_dir = tmp_path / "tiny"
-    write_model_dir(model_dir, model)
+def model_and_text(tmp_path, model) -> list[str]:
+    """``--model DIR --text FILE`` for the tiny model and text, written out."""
+    write_model_dir(tmp_path / "tiny", model)
     text = tmp_path / "text.raw"
     text.write_bytes(TEXT.encode())
+    return ["--model", str(tmp_path / "tiny"), "--text", str(text)]
+
+
+def test_main_writes_json(tmp_path, model, capsys):
     out = tmp_path / "out" / "eval.json"
-    argv = ["--model", str(model_dir), "--text", str(text), "--kv", "4"]
+    argv = [*model_and_text(tmp_path, model), "--kv", "4"]
     argv += ["--windows", "2", "--window-tokens", "48", "--chunk", "16"]
     kv_eval.main([*argv, "--out", str(out)])
 
@@ -253,12 +257,8 @@ def test_passkey_prompt(tmp_path, model):
 
 
 def test_main_dtype_and_passkey(tmp_path, model, capsys):
-    model_dir = tmp_path / "tiny"
-    write_model_dir(model_dir, model)
-    text = tmp_path / "text.raw"
-    text.write_bytes(TEXT.encode())
     out = tmp_path / "eval.json"
-    argv = ["--model", str(model_dir), "--text", str(text), "--kv", "8,4+exact4"]
+    argv = [*model_and_text(tmp_path, model), "--kv", "8,4+exact4"]
     argv += ["--windows", "1", "--window-tokens", "48", "--chunk", "16"]
     argv += ["--dtype", "bfloat16", "--passkey", "300,400", "--passkey-depths", "2"]
     kv_eval.main([*argv, "--passkey-chunk", "64", "--out", str(out)])
@@ -302,13 +302,9 @@ def test_passkey_keys_pair_with_the_reference(tmp_path, model):
     assert set(vs) == {"lost", "gained", "p"} and 0 <= vs["p"] <= 1
 
 
-def test_scheme_that_does_not_fit_fails_first(tmp_path, model, capsys):
-    model_dir = tmp_path / "tiny"
-    write_model_dir(model_dir, model)
-    text = tmp_path / "text.raw"
-    text.write_bytes(TEXT.encode())
+def test_scheme_that_does_not_fit_fails_first(tmp_path, model):
     out = tmp_path / "eval.json"
-    argv = ["--model", str(model_dir), "--text", str(text), "--kv", "4"]
+    argv = [*model_and_text(tmp_path, model), "--kv", "4"]
     argv += ["--kv", "4/g64,128", "--windows", "1", "--window-tokens", "48"]
     with pytest.raises(SystemExit, match="'4/g64,128' does not fit the model"):
         kv_eval.main([*argv, "--out", str(out)])

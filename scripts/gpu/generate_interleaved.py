@@ -30,8 +30,8 @@ import time
 
 import mlx.core as mx
 from codebook_step_profile import decode_span
-from generate_speed import make_cache, parse
-from mlx_lm.generate import generate_step, reserve_quantized_cache
+from generate_speed import generation, make_cache, parse
+from mlx_lm.generate import reserve_quantized_cache
 
 from omlx_cache import bench
 
@@ -69,14 +69,7 @@ def start(model, name, context, tokens, vocab):
         fill(model, cache, context, tokens)
         prompt = prompt[-1:]
     tic = time.perf_counter()
-    steps = generate_step(
-        prompt,
-        model,
-        max_tokens=tokens,
-        prompt_cache=cache,
-        kv_bits=bits,
-        prefill_step_size=2048,
-    )
+    steps = generation(model, prompt, cache, bits, tokens)
     next(steps)
     return steps, time.perf_counter() - tic
 

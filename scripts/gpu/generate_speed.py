@@ -96,6 +96,18 @@ def make_cache(model, name, context, tokens):
     return cache, bits
 
 
+def generation(model, prompt, cache, bits, tokens):
+    """``generate_step`` as mlx-lm runs it, with 2,048-token prefill steps."""
+    return generate_step(
+        prompt,
+        model,
+        max_tokens=tokens,
+        prompt_cache=cache,
+        kv_bits=bits,
+        prefill_step_size=2048,
+    )
+
+
 def run(model, name, context, tokens, vocab):
     prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
     cache, bits = make_cache(model, name, context, tokens)
@@ -104,14 +116,7 @@ def run(model, name, context, tokens, vocab):
     times = []
     with prefill_copy("nocopy" not in name.split("/")):
         start = time.perf_counter()
-        for _ in generate_step(
-            prompt,
-            model,
-            max_tokens=tokens,
-            prompt_cache=cache,
-            kv_bits=bits,
-            prefill_step_size=2048,
-        ):
+        for _ in generation(model, prompt, cache, bits, tokens):
             times.append(time.perf_counter())
             if len(times) == 1 and "clear" in name.split("/"):
                 mx.clear_cache()
