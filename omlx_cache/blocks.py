@@ -469,8 +469,9 @@ def block_tensors(layers: list, tokens, start: int, stop: int) -> dict:
 
 
 class Plan:
-    """Restoring a chain of blocks (full ones, the last possibly partial), and what every block must share with the first
-    (tensor layout, classes and settings).
+    """Restoring a chain of blocks (full ones, the last possibly partial), and
+    what every block must share with the first (tensor layout, classes and
+    settings).
 
     The data of every full block (its bytes after the header) is read straight
     into a row of host memory (``allocate``, ``slot``: MLX arrays, zeroed on

@@ -38,6 +38,17 @@ from omlx_cache import bench
 SKIPPED = 2  # steps of a turn not counted
 
 
+def split_name(name):
+    """(the ``generate_speed.py`` scheme, whether ``/fill``, keys per block or
+    0) of a scheme name here."""
+    base, _, span = name.partition("@")
+    options = base.split("/")
+    if span and not span.isdigit():
+        raise ValueError(f"{name!r}: the keys per block after @ must be a number")
+    plain = "/".join(x for x in options if x != "fill")
+    return plain, "fill" in options, int(span or 0)
+
+
 def fill(model, cache, context, tokens):
     """Each layer's cache holding ``context`` random normal keys and values
     (affine caches reserve room for ``tokens`` more, as ``generate_step``
@@ -58,13 +69,11 @@ def fill(model, cache, context, tokens):
 
 def start(model, name, context, tokens, vocab):
     """A scheme's ``generate_step``, prefilled: (generator, first token s)."""
-    options = name.partition("@")[0].split("/")
-    if "nocopy" in options or "clear" in options:
+    plain, filled, _ = split_name(name)
+    if {"nocopy", "clear"} & set(plain.split("/")):
         raise ValueError(f"{name!r}: /nocopy and /clear change the whole process")
     prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
-    filled = "fill" in options
-    name = "/".join(x for x in options if x != "fill")
-    cache, bits = make_cache(model, name, context, tokens)
+    cache, bits = make_cache(model, plain, context, tokens)
     if filled:
         fill(model, cache, context, tokens)
         prompt = prompt[-1:]
@@ -77,7 +86,7 @@ def start(model, name, context, tokens, vocab):
 def turn(steps, n, name):
     """Seconds of each of ``n`` decode steps of scheme ``name``'s generator."""
     times = [time.perf_counter()]
-    with decode_span(int(name.partition("@")[2] or 0)):
+    with decode_span(split_name(name)[2]):
         for _ in range(n):
             next(steps)
             times.append(time.perf_counter())
@@ -109,10 +118,10 @@ def main():
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
     for name in opts.schemes:
-        base, _, span = name.partition("@")
-        parse("/".join(x for x in base.split("/") if x != "fill"))
-        if span and not span.isdigit():
-            parser.error(f"{name!r}: the keys per block after @ must be a number")
+        try:
+            parse(split_name(name)[0])
+        except ValueError as e:
+            parser.error(str(e))
     if opts.block_steps <= SKIPPED:
         parser.error(f"--block-steps must be more than {SKIPPED}")
     preset = bench.PRESETS[opts.preset]
