@@ -350,6 +350,18 @@ _DECODE_SOURCE = """
         const auto mask_held = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0) + stored;
         const int buffer = held_keys_shape[2];
         const size_t part = (size_t)bh * gridDim.x;
+        // INC: the last held token comes as new_keys / new_values; the
+        // buffer with it in place is an output (the cache's next buffer)
+        const auto fresh_keys = new_keys + (size_t)bh * D;
+        const auto fresh_values = new_values + (size_t)bh * D;
+        if (INC) {
+            const size_t base = (size_t)bh * buffer * D;
+            for (int i = threadIdx.x; i < buffer * D; i += blockDim.x) {
+                const bool fresh = i / D == n_held - 1;
+                out_held_keys[base + i] = fresh ? fresh_keys[i % D] : held_keys[base + i];
+                out_held_values[base + i] = fresh ? fresh_values[i % D] : held_values[base + i];
+            }
+        }
         for (int g = warp; g < G; g += WARPS) {
             const auto q_src = queries + ((size_t)bh * G + g) * D;
             float q[D / 32];
@@ -368,11 +380,13 @@ _DECODE_SOURCE = """
                 #pragma unroll
                 for (int u = 0; u < 4; ++u) {
                     const int k = min(k0 + u, n_held - 1);
-                    const size_t row = ((size_t)bh * buffer + k) * D;
+                    const bool fresh = INC && k == n_held - 1;
+                    const auto key_row = fresh ? fresh_keys : held_keys + ((size_t)bh * buffer + k) * D;
+                    const auto value_row = fresh ? fresh_values : held_values + ((size_t)bh * buffer + k) * D;
                     #pragma unroll
                     for (int i = 0; i < D / 32; ++i) {
-                        hk[u][i] = static_cast<float>(held_keys[row + i * 32 + lane]);
-                        hv[u][i] = static_cast<float>(held_values[row + i * 32 + lane]);
+                        hk[u][i] = static_cast<float>(key_row[i * 32 + lane]);
+                        hv[u][i] = static_cast<float>(value_row[i * 32 + lane]);
                     }
                 }
                 float s[4];
@@ -856,8 +870,10 @@ def _decode_kernel(n_pages):
     inputs += [f"{part}_{i}" for i in range(n_pages) for part in _PAGE_PARTS]
     return _kernel(
         f"codebook_sdpa_decode_{n_pages}",
-        inputs + ["meta", "mask", "held_keys", "held_values", "held_count"],
-        ["out_values", "out_max", "out_sum"],
+        inputs
+        + ["meta", "mask", "held_keys", "held_values", "held_count"]
+        + ["new_keys", "new_values"],
+        ["out_values", "out_max", "out_sum", "out_held_keys", "out_held_values"],
         _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages)),
     )
 
@@ -1094,7 +1110,10 @@ def decode_attention(
     """Attention of one query token per sequence over the first ``length``
     keys and values of the pages, then the ``held`` ones if given (keys and
     values of shape (B, n_kv_heads, buffer, D), centered like the pages but
-    not rotated, and how many of them count; ``applies`` says which calls)."""
+    not rotated, how many of them count, and the last of them as a
+    (B, n_kv_heads, 1, D) key and value if it is not in the buffer yet, else
+    None; ``applies`` says which calls). Returns the output and, where a last
+    held token was given, the buffer with it in place (else None)."""
     B, n_q_heads, _, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
     G = n_q_heads // n_kv_heads
@@ -1106,10 +1125,11 @@ def decode_attention(
             break
         sizes.append(page[0].shape[2])
         stored += sizes[-1]
-    held_keys, held_values, n_held = held or (
+    held_keys, held_values, n_held, incoming = held or (
         _no_held(queries.dtype),
         _no_held(queries.dtype),
         0,
+        None,
     )
     rotates_values = _rotates(value_codec)
     template = _template(
@@ -1128,7 +1148,7 @@ def decode_attention(
     )
     if mask is None or isinstance(mask, str):
         mask = qd._no_mask()
-    values, maxes, sums = [], [], []
+    values, maxes, sums, buffers = [], [], [], None
     for first in range(0, len(sizes), MAX_PAGES):
         pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
         n_slots = 1 << (len(pages) - 1).bit_length()
@@ -1141,23 +1161,30 @@ def decode_attention(
         n_launch_held = n_held if first + MAX_PAGES >= len(sizes) else 0
         if n_launch_held:
             n_blocks += 1
+        fresh = incoming if n_launch_held else None
         pages += [pages[-1]] * (n_slots - len(pages))
         inputs = [queries]
         for p in pages:
             inputs += [*key_pages[p], *value_pages[p]]
         inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
-        v, m, s = _decode_kernel(n_slots)(
+        inputs += fresh or [_no_held(held_keys.dtype)] * 2
+        no_buffer = (1, 1, 1, 1)
+        v, m, s, *held_out = _decode_kernel(n_slots)(
             inputs=inputs,
-            template=[*template, ("NP", n_slots)],
+            template=[*template, ("NP", n_slots), ("INC", fresh is not None)],
             grid=(n_blocks * 32 * WARPS, rows, 1),
             threadgroup=(32 * WARPS, 1, 1),
             output_shapes=[
                 (rows, n_blocks, G, D),
                 (rows, n_blocks, G),
                 (rows, n_blocks, G),
+                held_keys.shape if fresh else no_buffer,
+                held_values.shape if fresh else no_buffer,
             ],
-            output_dtypes=[mx.float32] * 3,
+            output_dtypes=[mx.float32] * 3 + [held_keys.dtype, held_values.dtype],
         )
+        if fresh:
+            buffers = tuple(held_out)
         values.append(v)
         maxes.append(m)
         sums.append(s)
@@ -1167,7 +1194,7 @@ def decode_attention(
         sums = mx.concatenate(sums, axis=1)
     else:
         values, maxes, sums = values[0], maxes[0], sums[0]
-    return _combine(
+    out = _combine(
         values,
         maxes,
         sums,
@@ -1175,6 +1202,7 @@ def decode_attention(
         (B, n_q_heads, 1, D),
         rotates_values,
     )
+    return out, buffers
 
 
 def attention(
@@ -1190,8 +1218,10 @@ def attention(
     held=None,
 ):
     """The kernels' attention over a codebook cache's pages (the first
-    ``length`` tokens, then the ``held`` ones as in ``decode_attention``), or
-    None where they do not apply (the caller takes the MLX-ops path)."""
+    ``length`` tokens, then the ``held`` ones as in ``decode_attention``):
+    the output and the held buffer with its incoming token in place (or
+    None), or None where they do not apply (the caller takes the MLX-ops
+    path)."""
     codecs = (key_codec, value_codec)
     n_held = held[2] if held else 0
     if not applies(
@@ -1205,7 +1235,7 @@ def attention(
     # one layer's decoded copy at a time, as patch 0016 does for affine pages:
     # a chunk's lazy graph would hold every layer's (16 GiB at 128K, 8B shape)
     mx.eval(out)
-    return out
+    return out, None
 
 
 __all__ = [
