@@ -661,8 +661,10 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     n_held = 0
     # The last held token while it is not yet in the buffer: the decode
     # kernel writes it there (its output replaces the buffer), which saves a
-    # decode step two slice writes, two graph nodes per layer.
+    # decode step two slice writes, two graph nodes per layer. False: written
+    # as it comes (to compare).
     incoming = None
+    kernel_writes_held = True
 
     def _land_incoming(self):
         """Write the incoming held token into the buffer."""
@@ -1044,14 +1046,14 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         keys, values = self._weighted(*self._center(keys, values))
         self.n_held += 1
         self.offset += 1
+        self.incoming = tuple(
+            x if x.dtype == held.dtype else x.astype(held.dtype)
+            for x, held in ((keys, self.held_keys), (values, self.held_values))
+        )
         if self.n_held == size:
-            self.incoming = (keys, values)
             self._flush_held()
-        else:
-            self.incoming = tuple(
-                x if x.dtype == held.dtype else x.astype(held.dtype)
-                for x, held in ((keys, self.held_keys), (values, self.held_values))
-            )
+        elif not self.kernel_writes_held:
+            self._land_incoming()
         return True
 
     def size(self):

@@ -1,7 +1,8 @@
 """Host time to build one decode layer's graph: codebook-3 against affine 4-bit.
 
 Per layer of a Llama-3-8B shape (32 q / 8 kv heads, head dim 128), caches of
-``--context`` tokens: the median microseconds Python and MLX spend building a
+``--context`` tokens (codebook-3 also with its held tokens written as they
+come, ``/slices``): the median microseconds Python and MLX spend building a
 decode token's cache update and attention (the kernels' launches included as
 graph nodes, not run), each step evaluated outside the timing. A decode step
 that waits on the host pays this once per layer. ``--profile`` adds cProfile's
@@ -30,10 +31,13 @@ def filled_caches(context):
     affine.reserve = context + 4096
     codebook = CodebookKVCache(3)
     codebook.page_size = context + 4096
-    for cache in (affine, codebook):
+    slices = CodebookKVCache(3)
+    slices.page_size = context + 4096
+    slices.kernel_writes_held = False
+    for cache in (affine, codebook, slices):
         cache.update_and_fetch(keys, keys)
         mx.eval(cache.state)
-    return {"4": affine, "codebook-3": codebook}
+    return {"4": affine, "codebook-3": codebook, "codebook-3/slices": slices}
 
 
 def decode_layer(cache, query, token):
@@ -68,7 +72,7 @@ def main():
     for _ in range(opts.repeats):
         for name, cache in filled_caches(opts.context).items():
             build = decode_layer(cache, query, token)
-            print(f"{name:11s} {median_us(build, opts.steps):6.1f} us", flush=True)
+            print(f"{name:17s} {median_us(build, opts.steps):6.1f} us", flush=True)
     if opts.profile:
         for name, cache in filled_caches(opts.context).items():
             build = decode_layer(cache, query, token)

@@ -6,7 +6,8 @@ time to the first token (prefill) and decode tokens/s after it, per KV
 scheme, side by side in one process. Schemes: ``fp16`` or ``B`` / ``KB,VB``
 (``kv_bits``, quantized from the first token); ``/h0`` quantizes each decode
 token as it comes (``QuantizedKVCache.decode_buffer = 0``, codebook caches
-too), ``/r0`` leaves the cache unreserved (pages of 4,096 tokens as they
+too), ``/slices`` has codebook caches write each held token into their buffer
+as it comes instead of their decode kernel (``kernel_writes_held``), ``/r0`` leaves the cache unreserved (pages of 4,096 tokens as they
 fill), ``/clear`` empties MLX's buffer cache once the first token is out
 (what the prefill's freed buffers do to decode). ``codebook-...``
 names (``omlx_cache.schemes``, e.g. ``codebook-3``, ``codebook-3k-4v``) build
@@ -38,7 +39,8 @@ from omlx_cache.schemes import get_scheme
 def parse(name: str):
     """(kv_bits or None, decode_buffer or None, reserve or None, kept first
     tokens, residual): options after the bits are ``h0`` (no held decode
-    tokens), ``r0`` (no reservation), ``xN`` (``--kv-keep-exact N``),
+    tokens; ``slices``: codebook caches write each held token into their
+    buffer as it comes, not the decode kernel), ``r0`` (no reservation), ``xN`` (``--kv-keep-exact N``),
     ``resN`` (``--kv-residual N``), ``clear`` and ``nocopy`` (prefill without patch
     0020's dequantized copy: the fused kernel or the MLX-ops path)."""
     base, *options = name.split("/")
@@ -46,10 +48,10 @@ def parse(name: str):
     if base != "fp16" and not base.startswith("codebook"):
         bits = tuple(int(b) for b in base.split(","))
         bits = bits if len(bits) == 2 else bits[0]
-    held = 0 if "h0" in options else None
+    held = 0 if "h0" in options else ("slices" if "slices" in options else None)
     reserve = 0 if "r0" in options else None
     counts = {"x": 0, "res": 0}
-    unknown = set(options) - {"h0", "r0", "nocopy", "clear"}
+    unknown = set(options) - {"h0", "slices", "r0", "nocopy", "clear"}
     for option in sorted(unknown):
         for prefix in counts:
             if option.startswith(prefix) and option[len(prefix) :].isdigit():
@@ -84,6 +86,7 @@ def make_cache(model, name, context, tokens):
                 c.page_size = context + min(tokens, 4096)
             if held == 0:
                 c.decode_buffer = 0
+            c.kernel_writes_held = held != "slices"
     else:
         cache = make_prompt_cache(
             model, kv_bits=bits, kv_keep_exact=keep_exact, kv_residual=residual
@@ -91,7 +94,7 @@ def make_cache(model, name, context, tokens):
         for c in cache:
             if reserve is not None:
                 c.reserve = reserve
-            if held is not None and isinstance(c, QuantizedKVCache):
+            if isinstance(held, int) and isinstance(c, QuantizedKVCache):
                 c.decode_buffer = held
     return cache, bits
 
