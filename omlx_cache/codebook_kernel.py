@@ -744,7 +744,10 @@ _DECODE_SOURCE = """
 """
 
 _COMBINE_SOURCE = """
-    // patch 0011's combine kernel, then the output rotated back (RV)
+    // the blocks' partials of one (row, head) into its output, in one pass:
+    // each warp folds every CW-th partial into a running max, sum and
+    // weighted values (the loads do not wait on the running values), then
+    // the warps' results are joined and warp 0 rotates the row back (RV)
     constexpr int E = D / 32;
     const int rg = blockIdx.x;
     const int lane = threadIdx.x & 31;
@@ -753,39 +756,11 @@ _COMBINE_SOURCE = """
     const int g = rg % G;
     const int S = part_max_shape[1];
     const float neg_inf = __int_as_float(0xff800000);
-    __shared__ float reduced[CW];
+    __shared__ float warp_max[CW];
+    __shared__ float warp_sum[CW];
     __shared__ float acc_s[CW][D];
-    __shared__ float row_s[D];
-    float top = neg_inf;
-    for (int s = threadIdx.x; s < S; s += CW * 32) {
-        top = fmaxf(top, part_max[(r * S + s) * G + g]);
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o));
-    }
-    if (lane == 0) {
-        reduced[warp] = top;
-    }
-    __syncthreads();
-    top = neg_inf;
-    #pragma unroll
-    for (int w = 0; w < CW; ++w) {
-        top = fmaxf(top, reduced[w]);
-    }
-    __syncthreads();
-    float total = 0.f;
-    for (int s = threadIdx.x; s < S; s += CW * 32) {
-        const int i = (r * S + s) * G + g;
-        total += __expf(part_max[i] - top) * part_sum[i];
-    }
-    #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        total += __shfl_xor_sync(0xffffffff, total, o);
-    }
-    if (lane == 0) {
-        reduced[warp] = total;
-    }
+    float m = neg_inf;
+    float l = 0.f;
     float acc[E];
     #pragma unroll
     for (int e = 0; e < E; ++e) {
@@ -794,47 +769,66 @@ _COMBINE_SOURCE = """
     #pragma unroll 4
     for (int s = warp; s < S; s += CW) {
         const int i = (r * S + s) * G + g;
-        const float weight = __expf(part_max[i] - top);
-        const float* v = part_values + (size_t)i * D + lane * E;
+        const float part_m = part_max[i];
+        const float part_l = part_sum[i];
+        float v[E];
         #pragma unroll
         for (int e = 0; e < E; ++e) {
-            acc[e] += weight * v[e];
+            v[e] = part_values[(size_t)i * D + e * 32 + lane];
         }
+        if (part_m == neg_inf) {
+            continue;  // a block with no valid key
+        }
+        const float m_new = fmaxf(m, part_m);
+        const float old = __expf(m - m_new);
+        const float w = __expf(part_m - m_new);
+        l = l * old + part_l * w;
+        #pragma unroll
+        for (int e = 0; e < E; ++e) {
+            acc[e] = acc[e] * old + v[e] * w;
+        }
+        m = m_new;
+    }
+    if (lane == 0) {
+        warp_max[warp] = m;
+        warp_sum[warp] = l;
     }
     #pragma unroll
     for (int e = 0; e < E; ++e) {
-        acc_s[warp][lane * E + e] = acc[e];
+        acc_s[warp][e * 32 + lane] = acc[e];
     }
     __syncthreads();
-    total = 0.f;
+    if (warp > 0) {
+        return;
+    }
+    float top = neg_inf;
     #pragma unroll
     for (int w = 0; w < CW; ++w) {
-        total += reduced[w];
+        top = fmaxf(top, warp_max[w]);
     }
-    for (int d = threadIdx.x; d < D; d += CW * 32) {
-        float weighted = 0.f;
+    float total = 0.f;
+    float out_row[E];
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        out_row[e] = 0.f;
+    }
+    #pragma unroll
+    for (int w = 0; w < CW; ++w) {
+        const float weight = warp_max[w] == neg_inf ? 0.f : __expf(warp_max[w] - top);
+        total += weight * warp_sum[w];
         #pragma unroll
-        for (int w = 0; w < CW; ++w) {
-            weighted += acc_s[w][d];
+        for (int e = 0; e < E; ++e) {
+            out_row[e] += weight * acc_s[w][e * 32 + lane];
         }
-        row_s[d] = weighted / total;
     }
-    __syncthreads();
+    float norm = 1.f / total;
     if (RV) {
-        for (int h = 1; h < D; h <<= 1) {
-            for (int t = threadIdx.x; t < D / 2; t += CW * 32) {
-                const int i = (t / h) * 2 * h + t % h;
-                const float a = row_s[i];
-                const float b = row_s[i + h];
-                row_s[i] = a + b;
-                row_s[i + h] = a - b;
-            }
-            __syncthreads();
-        }
+        fwht_warp<E>(out_row, lane);
+        norm *= 1.f / sqrtf((float)D);
     }
-    const float norm = RV ? 1.f / sqrtf((float)D) : 1.f;
-    for (int d = threadIdx.x; d < D; d += CW * 32) {
-        out[(size_t)rg * D + d] = static_cast<O>(row_s[d] * norm);
+    #pragma unroll
+    for (int e = 0; e < E; ++e) {
+        out[(size_t)rg * D + e * 32 + lane] = static_cast<O>(out_row[e] * norm);
     }
 """
 
@@ -1052,7 +1046,7 @@ def prefill_attention(
 def _combine(values, maxes, sums, dtype, shape, rotate_back):
     rows, _, G, D = values.shape
     kernel = _kernel(
-        "codebook_sdpa_combine",
+        "codebook_sdpa_merge",
         ["part_values", "part_max", "part_sum"],
         ["out"],
         _COMBINE_SOURCE,
