@@ -145,26 +145,6 @@ __device__ __forceinline__ void fwht_warp(float (&v)[E], int lane) {{
   }}
 }}
 
-// asynchronous copies from global to shared memory (sm_80 and later)
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {{
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(to), "l"(src));
-}}
-
-__device__ __forceinline__ void cp_async4(void* dst, const void* src) {{
-  const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(to), "l"(src));
-}}
-
-__device__ __forceinline__ void cp_async_commit() {{
-  asm volatile("cp.async.commit_group;");
-}}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {{
-  asm volatile("cp.async.wait_group %0;" :: "n"(N));
-}}
-
 // 3-bit rows: the word with the magnitudes of half-block h (16 elements)
 __device__ __forceinline__ int mag_word3(int h) {{
   return (h >> 1) * 3 + (h & 1);
@@ -474,21 +454,10 @@ _DECODE_SOURCE = """
 
     PAGE_POINTERS
 
-    // each warp's tiles of packed words come through shared memory by
-    // cp.async, STAGES - 1 tiles ahead of their use (the loads' latency was
-    // what the warps waited on); the stages' space is reused for warp_acc
-    // once every warp is past its last tile
-    constexpr int KT = 16 * KW;                  // a tile's words of keys
-    constexpr int STAGE_WORDS = 16 * (KW + VW);
-    constexpr int STAGES = STAGE_WORDS * WARPS * 4 * 3 <= 32768 ? 3 : 2;
-    constexpr int STAGED = STAGES * WARPS * STAGE_WORDS;
-    constexpr int SHARED = STAGED > WARPS * G * D ? STAGED : WARPS * G * D;
     __shared__ float q_s[G][D];
     __shared__ float warp_max[WARPS][G];
     __shared__ float warp_sum[WARPS][G];
-    __shared__ __align__(16) uint32_t shared_words[SHARED];
-    auto warp_acc = reinterpret_cast<float (*)[G][D]>(shared_words);
-    uint32_t* const staged = shared_words + warp * STAGES * STAGE_WORDS;
+    __shared__ float warp_acc[WARPS][G][D];
 
     // the queries, rotated (RK) and scaled, once per block
     for (int g = warp; g < G; g += WARPS) {
@@ -554,82 +523,41 @@ _DECODE_SOURCE = """
         float v_norm[2];
         uint32_t v[4][VL];
     };
-    // the tile's rows (below last) of packed keys and values into a stage:
-    // 16-byte copies where the rows start 16-byte aligned, else 4-byte ones
-    auto stage_copy = [&](uint32_t* dst, const uint32_t* src, int words) {
-        const int full = (reinterpret_cast<uintptr_t>(src) & 15) == 0 ? words / 4 : 0;
-        for (int c = lane; c < full; c += 32) {
-            cp_async16(dst + 4 * c, src + 4 * c);
-        }
-        for (int w = 4 * full + lane; w < words; w += 32) {
-            cp_async4(dst + w, src + w);
-        }
-    };
-    auto issue = [&](int tile, int stage) {
-        const int n = min(16, last - tile);
-        uint32_t* dst = staged + stage * STAGE_WORDS;
-        stage_copy(dst, k_packed + (rows + tile) * KW, n * KW);
-        stage_copy(dst + KT, v_packed + (rows + tile) * VW, n * VW);
-    };
-    // the norms, loaded a tile ahead of their use, and a tile's words of the
-    // lane from its stage (keys quad and quad + 8; values 2 pos, 2 pos + 8,
-    // 2 pos + 1, 2 pos + 9; rows at or past last are not valid)
     auto fetch = [&](int tile, Tile& t) {
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
             const int k = tile + quad + 8 * r;
             const bool ok = k < last;
+            #pragma unroll
+            for (int i = 0; i < KL; ++i) {
+                t.k[r][i] = ok ? k_packed[(rows + k) * KW + k_word(i)] : 0u;
+            }
             t.k_norm[r] = ok ? static_cast<float>(k_norms[rows + k]) * inv_sqrt_d : 0.f;
             t.v_norm[r] = ok ? static_cast<float>(v_norms[rows + k]) * inv_sqrt_d : 0.f;
         }
-    };
-    auto unstage = [&](int stage, Tile& t) {
-        const uint32_t* src = staged + stage * STAGE_WORDS;
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            #pragma unroll
-            for (int i = 0; i < KL; ++i) {
-                t.k[r][i] = src[(quad + 8 * r) * KW + k_word(i)];
-            }
-        }
         #pragma unroll
         for (int r = 0; r < 4; ++r) {
-            const int k = 2 * pos + 8 * (r & 1) + (r >> 1);
+            const int k = tile + 2 * pos + 8 * (r & 1) + (r >> 1);
+            const bool ok = k < last;
             #pragma unroll
             for (int i = 0; i < VL; ++i) {
-                t.v[r][i] = src[KT + k * VW + v_word(i)];
+                t.v[r][i] = ok ? v_packed[(rows + k) * VW + v_word(i)] : 0u;
             }
         }
     };
-    const int step = WARPS * 16;
-    const int first_tile = first + warp * 16;
-    #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-        if (first_tile + i * step < last) {
-            issue(first_tile + i * step, i);
-        }
-        cp_async_commit();
+    Tile tile_a;
+    Tile tile_b;
+    if (first + warp * 16 < last) {
+        fetch(first + warp * 16, tile_a);
     }
-    Tile cur;
-    Tile next;
-    if (first_tile < last) {
-        fetch(first_tile, cur);
-    }
-    int stage = 0;
-    for (int tile = first_tile; tile < last; tile += step) {
-        const int ahead = tile + (STAGES - 1) * step;
-        if (ahead < last) {
-            issue(ahead, (stage + STAGES - 1) % STAGES);
+    // a tile's scores, softmax and weighted values, the next tile fetched
+    // into the other Tile: called twice per loop with the two swapped, so no
+    // Tile is copied into another (some 25 moves of about 730 instructions a
+    // tile at D = 128)
+    auto tile_step = [&](const int tile, Tile& cur, Tile& next) {
+        if (tile + WARPS * 16 < last) {
+            fetch(tile + WARPS * 16, next);
         }
-        cp_async_commit();
-        if (tile + step < last) {
-            fetch(tile + step, next);
-        }
-        cp_async_wait<STAGES - 1>();
-        __syncwarp();
-        unstage(stage, cur);
-        __syncwarp();  // read before the stage is refilled
-        stage = (stage + 1) % STAGES;
         const int key[2] = {tile + quad, tile + quad + 8};
 
         // scores: (key quad, head 2 pos), (quad, 2 pos + 1), (quad + 8, 2 pos),
@@ -763,10 +691,11 @@ _DECODE_SOURCE = """
                 mma_16x8x16(o[i], a, p_frag);
             }
         }
-        #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            cur.k_norm[r] = next.k_norm[r];
-            cur.v_norm[r] = next.v_norm[r];
+    };
+    for (int tile = first + warp * 16; tile < last; tile += 2 * WARPS * 16) {
+        tile_step(tile, tile_a, tile_b);
+        if (tile + WARPS * 16 < last) {
+            tile_step(tile + WARPS * 16, tile_b, tile_a);
         }
     }
 
@@ -778,7 +707,6 @@ _DECODE_SOURCE = """
             l_run[h] += __shfl_xor_sync(0xffffffff, l_run[h], o_);
         }
     }
-    __syncthreads();  // every warp past its tiles: warp_acc reuses the stages
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const int g = 2 * pos + h;
