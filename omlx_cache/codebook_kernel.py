@@ -545,16 +545,12 @@ _DECODE_SOURCE = """
             }
         }
     };
-    Tile tile_a;
-    Tile tile_b;
+    Tile cur;
+    Tile next;
     if (first + warp * 16 < last) {
-        fetch(first + warp * 16, tile_a);
+        fetch(first + warp * 16, cur);
     }
-    // a tile's scores, softmax and weighted values, the next tile fetched
-    // into the other Tile: called twice per loop with the two swapped, so no
-    // Tile is copied into another (some 25 moves of about 730 instructions a
-    // tile at D = 128)
-    auto tile_step = [&](const int tile, Tile& cur, Tile& next) {
+    for (int tile = first + warp * 16; tile < last; tile += WARPS * 16) {
         if (tile + WARPS * 16 < last) {
             fetch(tile + WARPS * 16, next);
         }
@@ -691,12 +687,7 @@ _DECODE_SOURCE = """
                 mma_16x8x16(o[i], a, p_frag);
             }
         }
-    };
-    for (int tile = first + warp * 16; tile < last; tile += 2 * WARPS * 16) {
-        tile_step(tile, tile_a, tile_b);
-        if (tile + WARPS * 16 < last) {
-            tile_step(tile + WARPS * 16, tile_b, tile_a);
-        }
+        cur = next;
     }
 
     // the lanes of a head (one per quad) hold parts of its sum
