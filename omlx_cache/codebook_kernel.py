@@ -33,6 +33,7 @@ reference in the tests.
 
 import contextlib
 import functools
+import hashlib
 import struct
 
 import mlx.core as mx
@@ -832,10 +833,17 @@ _PAGE_PARTS = ("k_packed", "k_norms", "v_packed", "v_norms")
 _kernels = {}
 
 
+def _compiled_name(name, source):
+    """``name`` with a digest of the kernel's code: MLX keeps compiled
+    kernels on disk by name alone (its PTX cache), so an edited kernel
+    under an old name runs as the build that first compiled it there."""
+    return f"{name}_{hashlib.sha1((_header() + source).encode()).hexdigest()[:10]}"
+
+
 def _kernel(name, inputs, outputs, source):
     if name not in _kernels:
         _kernels[name] = mx.fast.cuda_kernel(
-            name=name,
+            name=_compiled_name(name, source),
             input_names=inputs,
             output_names=outputs,
             source=source,
@@ -1042,7 +1050,7 @@ def prefill_attention(
 def _combine(values, maxes, sums, dtype, shape, rotate_back):
     rows, _, G, D = values.shape
     kernel = _kernel(
-        "codebook_sdpa_merge",
+        "codebook_sdpa_combine",
         ["part_values", "part_max", "part_sum"],
         ["out"],
         _COMBINE_SOURCE,

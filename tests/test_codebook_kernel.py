@@ -197,6 +197,17 @@ def test_decode_kernel_name_says_its_input_types():
     assert len(names) == 4
 
 
+def test_kernel_names_carry_their_code():
+    # MLX's PTX cache on disk is keyed by name: edited code needs a new name
+    source = codebook_kernel._DECODE_SOURCE
+    name = codebook_kernel._compiled_name("codebook_sdpa_decode_1", source)
+    assert name.startswith("codebook_sdpa_decode_1_")
+    assert name == codebook_kernel._compiled_name("codebook_sdpa_decode_1", source)
+    assert name != codebook_kernel._compiled_name(
+        "codebook_sdpa_decode_1", source + " "
+    )
+
+
 @pytest.mark.parametrize("center", ["", "kv"])
 def test_decode_buffer_changes_nothing_but_when_tokens_are_encoded(center):
     """Held decode tokens (forced on here; on CUDA by default) are encoded
