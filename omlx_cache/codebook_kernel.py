@@ -602,6 +602,7 @@ _DECODE_SOURCE = """
 
         // online softmax over the tile, heads 2 pos and 2 pos + 1
         float p[4];
+        float correction[2];
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             float top = fmaxf(s[h], s[2 + h]);
@@ -610,15 +611,22 @@ _DECODE_SOURCE = """
                 top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o_));
             }
             const float m_new = fmaxf(m_run[h], top);
-            const float correction = m_new == neg_inf ? 1.f : __expf(m_run[h] - m_new);
+            correction[h] = m_new == m_run[h] ? 1.f : __expf(m_run[h] - m_new);
             p[h] = valid[0] && m_new > neg_inf ? __expf(s[h] - m_new) : 0.f;
             p[2 + h] = valid[1] && m_new > neg_inf ? __expf(s[2 + h] - m_new) : 0.f;
-            l_run[h] = l_run[h] * correction + p[h] + p[2 + h];
+            l_run[h] = l_run[h] * correction[h] + p[h] + p[2 + h];
             m_run[h] = m_new;
+        }
+        // the running maxima settle after the first tiles: most tiles skip
+        // the rescaling of the weighted values (an instruction-bound loop)
+        if (__any_sync(0xffffffff, correction[0] != 1.f || correction[1] != 1.f)) {
             #pragma unroll
             for (int i = 0; i < STEPS; ++i) {
-                o[i][h] *= correction;
-                o[i][2 + h] *= correction;
+                #pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    o[i][h] *= correction[h];
+                    o[i][2 + h] *= correction[h];
+                }
             }
         }
 
