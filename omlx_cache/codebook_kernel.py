@@ -33,7 +33,6 @@ reference in the tests.
 
 import contextlib
 import functools
-import hashlib
 import struct
 
 import mlx.core as mx
@@ -842,10 +841,9 @@ _kernels = {}
 
 
 def _compiled_name(name, source):
-    """``name`` with a digest of the kernel's code: MLX keeps compiled
-    kernels on disk by name alone (its PTX cache), so an edited kernel
-    under an old name runs as the build that first compiled it there."""
-    return f"{name}_{hashlib.sha1((_header() + source).encode()).hexdigest()[:10]}"
+    """``name`` with a digest of the kernel's code (patch 0022's
+    ``kernel_name``: MLX's PTX cache on disk is keyed by name alone)."""
+    return qd.kernel_name(name, _header() + source)
 
 
 def _kernel(name, inputs, outputs, source):
