@@ -53,5 +53,5 @@ def test_bad_scheme_option(generate_speed):
 def test_kept_and_residual_options(generate_speed):
     assert generate_speed.parse("8,4/x16/res64") == ((8, 4), None, None, 16, 64)
     assert generate_speed.parse("4") == (4, None, None, 0, 0)
-    assert generate_speed.parse("codebook-3/slices")[1] == "slices"
+    assert generate_speed.parse("codebook-3/slices") == (None, None, None, 0, 0)
     assert generate_speed.parse("4/x4/nocopy") == (4, None, None, 4, 0)

@@ -29,10 +29,7 @@ def filled_caches(context):
     keys = mx.random.normal((1, N_KV, context, D)).astype(mx.float16)
     affine = QuantizedKVCache(group_size=64, bits=4)
     affine.reserve = context + 4096
-    codebook = CodebookKVCache(3)
-    codebook.page_size = context + 4096
-    slices = CodebookKVCache(3)
-    slices.page_size = context + 4096
+    codebook, slices = (CodebookKVCache(3, page_size=context + 4096) for _ in range(2))
     slices.kernel_writes_held = False
     for cache in (affine, codebook, slices):
         cache.update_and_fetch(keys, keys)

@@ -6,9 +6,10 @@ time to the first token (prefill) and decode tokens/s after it, per KV
 scheme, side by side in one process. Schemes: ``fp16`` or ``B`` / ``KB,VB``
 (``kv_bits``, quantized from the first token); ``/h0`` quantizes each decode
 token as it comes (``QuantizedKVCache.decode_buffer = 0``, codebook caches
-too), ``/slices`` has codebook caches write each held token into their buffer
-as it comes instead of their decode kernel (``kernel_writes_held``), ``/r0`` leaves the cache unreserved (pages of 4,096 tokens as they
-fill), ``/clear`` empties MLX's buffer cache once the first token is out
+too), ``/slices`` has codebook caches write each held token into their
+buffer as it comes instead of their decode kernel (``kernel_writes_held``),
+``/r0`` leaves the cache unreserved (pages of 4,096 tokens as they fill),
+``/clear`` empties MLX's buffer cache once the first token is out
 (what the prefill's freed buffers do to decode). ``codebook-...``
 names (``omlx_cache.schemes``, e.g. ``codebook-3``, ``codebook-3k-4v``) build
 ``CodebookKVCache``s whose first page holds what ``generate_step`` reserves
@@ -39,16 +40,17 @@ from omlx_cache.schemes import get_scheme
 def parse(name: str):
     """(kv_bits or None, decode_buffer or None, reserve or None, kept first
     tokens, residual): options after the bits are ``h0`` (no held decode
-    tokens; ``slices``: codebook caches write each held token into their
-    buffer as it comes, not the decode kernel), ``r0`` (no reservation), ``xN`` (``--kv-keep-exact N``),
-    ``resN`` (``--kv-residual N``), ``clear`` and ``nocopy`` (prefill without patch
-    0020's dequantized copy: the fused kernel or the MLX-ops path)."""
+    tokens), ``r0`` (no reservation), ``xN`` (``--kv-keep-exact N``),
+    ``resN`` (``--kv-residual N``), and ``slices``, ``clear`` and ``nocopy``,
+    which ``make_cache`` and ``run`` read from the name (``nocopy``: prefill
+    without patch 0020's dequantized copy: the fused kernel or the MLX-ops
+    path)."""
     base, *options = name.split("/")
     bits = None
     if base != "fp16" and not base.startswith("codebook"):
         bits = tuple(int(b) for b in base.split(","))
         bits = bits if len(bits) == 2 else bits[0]
-    held = 0 if "h0" in options else ("slices" if "slices" in options else None)
+    held = 0 if "h0" in options else None
     reserve = 0 if "r0" in options else None
     counts = {"x": 0, "res": 0}
     unknown = set(options) - {"h0", "slices", "r0", "nocopy", "clear"}
@@ -86,7 +88,7 @@ def make_cache(model, name, context, tokens):
                 c.page_size = context + min(tokens, 4096)
             if held == 0:
                 c.decode_buffer = 0
-            c.kernel_writes_held = held != "slices"
+            c.kernel_writes_held = "slices" not in name.split("/")
     else:
         cache = make_prompt_cache(
             model, kv_bits=bits, kv_keep_exact=keep_exact, kv_residual=residual
@@ -94,7 +96,7 @@ def make_cache(model, name, context, tokens):
         for c in cache:
             if reserve is not None:
                 c.reserve = reserve
-            if isinstance(held, int) and isinstance(c, QuantizedKVCache):
+            if held is not None and isinstance(c, QuantizedKVCache):
                 c.decode_buffer = held
     return cache, bits
 
