@@ -71,6 +71,8 @@ def _header() -> str:
     # positive levels by magnitude: 0 next to zero
     t3, t4 = _pairs(lv3[4:]), _pairs(lv4[8:])
     return f"""
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
 // Lloyd-Max levels of a unit Gaussian: positive ones as pairs of halves (a
 // byte permute picks two of them), all of them and the cell edges in float
 #define CB3_LO {t3[0]}u
@@ -97,10 +99,19 @@ __device__ __forceinline__ uint32_t h2_bits(__half2 x) {{
   return *reinterpret_cast<uint32_t*>(&x);
 }}
 
-// 3-bit: magnitudes of elements a and b at bits 0-1 and 8-9 of x, ones where
-// the element is negative at bits 15 and 31 of neg: the pair of halves
-__device__ __forceinline__ uint32_t cb3_pair(uint32_t x, uint32_t neg) {{
-  return __byte_perm(CB3_LO, CB3_HI, x * 0x22u + 0x1010u) ^ neg;
+// PTX's prmt: __byte_perm masks its selector (bit 3 of a nibble is prmt's
+// sign mode), an instruction per call that selectors of 0-7 do not need
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {{
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}}
+
+// 3-bit: magnitudes of elements a and b at bits s to s + 1 and s + 8 to
+// s + 9 of w, ones where the element is negative at bits 15 and 31 of neg:
+// the pair of halves (the selector picks bytes 2 a, 2 a + 1, 2 b, 2 b + 1)
+__device__ __forceinline__ uint32_t cb3_pair(uint32_t w, int s, uint32_t neg) {{
+  return prmt(CB3_LO, CB3_HI, ((w >> s) & 0x0303u) * 0x22u + 0x1010u) ^ neg;
 }}
 
 // 4-bit: indices of elements a and b at bits 0-3 and 16-19 of t
@@ -109,10 +120,17 @@ __device__ __forceinline__ uint32_t cb4_pair(uint32_t t) {{
   const uint32_t mag = (t & 0x00070007u) ^ flip;
   const uint32_t low = mag & 0x00030003u;
   const uint32_t sel = ((low | (low >> 8)) & 0x0303u) * 0x22u + 0x1010u;
-  const uint32_t lo = __byte_perm(CB4_0, CB4_1, sel);
-  const uint32_t hi = __byte_perm(CB4_2, CB4_3, sel);
+  const uint32_t lo = prmt(CB4_0, CB4_1, sel);
+  const uint32_t hi = prmt(CB4_2, CB4_3, sel);
   const uint32_t mask = ((mag >> 2) & 0x00010001u) * 0xFFFFu;
   return ((lo & ~mask) | (hi & mask)) ^ ((~t << 12) & 0x80008000u);
+}}
+
+// 2^x, subnormal results flushed to zero (no range fix-up around MUFU.EX2)
+__device__ __forceinline__ float exp2_ftz(float x) {{
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }}
 
 // the sign bit (1: negative) at bit 15 and 31 from sign words' bits
@@ -502,19 +520,24 @@ _DECODE_SOURCE = """
     }
 
     const size_t rows = (size_t)bh * page_size;
-    // the words of a lane's dims in a row
+    // a lane's words of a key row: k_first + k_word(i), the offsets known at
+    // compile time where the lane's dims are whole 32-element blocks
+    const int k_first = KB == 3 && KHB == 1 ? (pos >> 1) * 3 : pos * KL;
     auto k_word = [&](int i) {
         if (KB == 3) {
-            return i < KHB ? mag_word3(pos * KHB + i) : ((pos * KHB) / 2 + i - KHB) * 3 + 2;
+            if (KHB == 1) {
+                return i == 0 ? (pos & 1) : 2;
+            }
+            return i < KHB ? (i >> 1) * 3 + (i & 1) : (i - KHB) * 3 + 2;
         }
-        return pos * KL + i;
+        return i;
     };
+    // and of a value row: magnitudes from v_first, 3-bit signs from v_signs
     const int v_start = quad * VC;
+    const int v_first = VB == 3 ? mag_word3(v_start / 16) : v_start / 8;
+    const int v_signs = (v_start / 32) * 3 + 2;
     auto v_word = [&](int i) {
-        if (VB == 3) {
-            return i < VMW ? mag_word3(v_start / 16 + i) : (v_start / 32) * 3 + 2;
-        }
-        return (v_start / 8) + i;
+        return VB == 3 ? (i >> 1) * 3 + (i & 1) : i;
     };
     // a tile's words and norms, loaded a tile ahead of their use (keys quad
     // and quad + 8; values 2 pos, 2 pos + 8, 2 pos + 1, 2 pos + 9)
@@ -524,37 +547,73 @@ _DECODE_SOURCE = """
         float v_norm[2];
         uint32_t v[4][VL];
     };
+    const uint32_t* k_lane = k_packed + rows * KW + k_first;
+    const uint32_t* v_lane = v_packed + rows * VW + v_first;
+    const uint32_t* s_lane = v_packed + rows * VW + v_signs;
+    const auto k_norm_rows = k_norms + rows;
+    const auto v_norm_rows = v_norms + rows;
+    // a tile's rows: one address per group of rows and offsets known at
+    // compile time where every page's size is a multiple of 16 (WHOLE: a
+    // tile is within its page), else rows past the page's end read its last
+    // row. Rows past `last` have their scores masked and their values' norms
+    // zeroed (a page's unused rows hold anything)
     auto fetch = [&](int tile, Tile& t) {
+        const int key_row = tile + quad;
+        const int value_row = tile + 2 * pos;
+        if (WHOLE) {
+            const uint32_t* k_row = k_lane + (size_t)(uint32_t)key_row * KW;
+            const uint32_t* v_row = v_lane + (size_t)(uint32_t)value_row * VW;
+            const uint32_t* s_row = s_lane + (size_t)(uint32_t)value_row * VW;
+            const auto k_norm_row = k_norm_rows + (uint32_t)key_row;
+            const auto v_norm_row = v_norm_rows + (uint32_t)key_row;
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                #pragma unroll
+                for (int i = 0; i < KL; ++i) {
+                    t.k[r][i] = k_row[8 * r * KW + k_word(i)];
+                }
+                t.k_norm[r] = static_cast<float>(k_norm_row[8 * r]);
+                t.v_norm[r] = static_cast<float>(v_norm_row[8 * r]);
+            }
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const int down = 8 * (r & 1) + (r >> 1);
+                #pragma unroll
+                for (int i = 0; i < VL; ++i) {
+                    const bool sign = VB == 3 && i == VL - 1;
+                    t.v[r][i] = sign ? s_row[down * VW] : v_row[down * VW + v_word(i)];
+                }
+            }
+        } else {
+            #pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                const size_t k = (uint32_t)min(key_row + 8 * r, page_size - 1);
+                #pragma unroll
+                for (int i = 0; i < KL; ++i) {
+                    t.k[r][i] = k_lane[k * KW + k_word(i)];
+                }
+                t.k_norm[r] = static_cast<float>(k_norm_rows[k]);
+                t.v_norm[r] = static_cast<float>(v_norm_rows[k]);
+            }
+            #pragma unroll
+            for (int r = 0; r < 4; ++r) {
+                const size_t k = (uint32_t)min(value_row + 8 * (r & 1) + (r >> 1), page_size - 1);
+                #pragma unroll
+                for (int i = 0; i < VL; ++i) {
+                    const bool sign = VB == 3 && i == VL - 1;
+                    t.v[r][i] = sign ? s_lane[k * VW] : v_lane[k * VW + v_word(i)];
+                }
+            }
+        }
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            const int k = tile + quad + 8 * r;
-            const bool ok = k < last;
-            #pragma unroll
-            for (int i = 0; i < KL; ++i) {
-                t.k[r][i] = ok ? k_packed[(rows + k) * KW + k_word(i)] : 0u;
-            }
-            t.k_norm[r] = ok ? static_cast<float>(k_norms[rows + k]) * inv_sqrt_d : 0.f;
-            t.v_norm[r] = ok ? static_cast<float>(v_norms[rows + k]) * inv_sqrt_d : 0.f;
-        }
-        #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-            const int k = tile + 2 * pos + 8 * (r & 1) + (r >> 1);
-            const bool ok = k < last;
-            #pragma unroll
-            for (int i = 0; i < VL; ++i) {
-                t.v[r][i] = ok ? v_packed[(rows + k) * VW + v_word(i)] : 0u;
-            }
+            t.k_norm[r] *= inv_sqrt_d * LOG2E;
+            t.v_norm[r] = key_row + 8 * r < last ? t.v_norm[r] * inv_sqrt_d : 0.f;
         }
     };
-    Tile cur;
-    Tile next;
-    if (first + warp * 16 < last) {
-        fetch(first + warp * 16, cur);
-    }
-    for (int tile = first + warp * 16; tile < last; tile += WARPS * 16) {
-        if (tile + WARPS * 16 < last) {
-            fetch(tile + WARPS * 16, next);
-        }
+
+    // a tile's scores, softmax and weighted values
+    auto step = [&](int tile, const Tile& t) {
         const int key[2] = {tile + quad, tile + quad + 8};
 
         // scores: (key quad, head 2 pos), (quad, 2 pos + 1), (quad + 8, 2 pos),
@@ -573,13 +632,12 @@ _DECODE_SOURCE = """
                         const int kk = (p % 8) / 4;
                         const int j = p % 4;
                         const int pair = ((pos * KHB + h) & 1) * 8 + kk * 4 + j;
-                        const uint32_t x = (cur.k[r][h] >> (16 * kk + 2 * j)) & 0x0303u;
-                        const uint32_t sw = cur.k[r][KHB + (KHB > 1 ? h / 2 : 0)];
-                        a_key[r][c] = cb3_pair(x, neg_bits(sw, 15 - pair));
+                        const uint32_t sw = t.k[r][KHB + (KHB > 1 ? h / 2 : 0)];
+                        a_key[r][c] = cb3_pair(t.k[r][h], 16 * kk + 2 * j, neg_bits(sw, 15 - pair));
                     } else {
                         const int w = p / 4;
                         const int j = p % 4;
-                        a_key[r][c] = cb4_pair((cur.k[r][w] >> (4 * j)) & 0x000F000Fu);
+                        a_key[r][c] = cb4_pair((t.k[r][w] >> (4 * j)) & 0x000F000Fu);
                     }
                 }
             }
@@ -594,13 +652,15 @@ _DECODE_SOURCE = """
             if (MASK == 1 && valid[r]) {
                 valid[r] = static_cast<bool>(mask_row[key[r]]);
             } else if (MASK == 2 && valid[r]) {
-                added = static_cast<float>(mask_row[key[r]]);
+                added = static_cast<float>(mask_row[key[r]]) * LOG2E;
             }
-            s[2 * r] = valid[r] ? s[2 * r] * cur.k_norm[r] + added : neg_inf;
-            s[2 * r + 1] = valid[r] ? s[2 * r + 1] * cur.k_norm[r] + added : neg_inf;
+            s[2 * r] = valid[r] ? s[2 * r] * t.k_norm[r] + added : neg_inf;
+            s[2 * r + 1] = valid[r] ? s[2 * r + 1] * t.k_norm[r] + added : neg_inf;
         }
 
-        // online softmax over the tile, heads 2 pos and 2 pos + 1
+        // online softmax over the tile, heads 2 pos and 2 pos + 1, in base 2
+        // (the scores carry log2(e)); a head with no key yet leaves m_run
+        // at -inf and its probabilities at 0
         float p[4];
         float correction[2];
         #pragma unroll
@@ -611,9 +671,10 @@ _DECODE_SOURCE = """
                 top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o_));
             }
             const float m_new = fmaxf(m_run[h], top);
-            correction[h] = m_new == m_run[h] ? 1.f : __expf(m_run[h] - m_new);
-            p[h] = valid[0] && m_new > neg_inf ? __expf(s[h] - m_new) : 0.f;
-            p[2 + h] = valid[1] && m_new > neg_inf ? __expf(s[2 + h] - m_new) : 0.f;
+            const float m_from = m_new == neg_inf ? 0.f : m_new;
+            correction[h] = m_new == m_run[h] ? 1.f : exp2_ftz(m_run[h] - m_from);
+            p[h] = exp2_ftz(s[h] - m_from);
+            p[2 + h] = exp2_ftz(s[2 + h] - m_from);
             l_run[h] = l_run[h] * correction[h] + p[h] + p[2 + h];
             m_run[h] = m_new;
         }
@@ -635,9 +696,9 @@ _DECODE_SOURCE = """
         // (lane 8 pos + quad / 2 has them) and 2 pos + 1, 2 pos + 9 (lane
         // 8 pos + 4 + quad / 2)
         const uint32_t p_even = h2_bits(
-            __floats2half2_rn(p[0] * cur.v_norm[0], p[2] * cur.v_norm[1]));
+            __floats2half2_rn(p[0] * t.v_norm[0], p[2] * t.v_norm[1]));
         const uint32_t p_odd = h2_bits(
-            __floats2half2_rn(p[1] * cur.v_norm[0], p[3] * cur.v_norm[1]));
+            __floats2half2_rn(p[1] * t.v_norm[0], p[3] * t.v_norm[1]));
         const int src = 8 * pos + quad / 2;
         const uint32_t e0 = __shfl_sync(0xffffffff, p_even, src);
         const uint32_t o0 = __shfl_sync(0xffffffff, p_odd, src);
@@ -663,14 +724,14 @@ _DECODE_SOURCE = """
                 const uint32_t ssel = mw | ((mw + 2) << 4) | ((mw + 4) << 8) | ((mw + 6) << 12);
                 #pragma unroll
                 for (int kp = 0; kp < 2; ++kp) {
-                    y[kp] = __byte_perm(cur.v[2 * kp][m], cur.v[2 * kp + 1][m], sel);
-                    z[kp] = __byte_perm(cur.v[2 * kp][VMW], cur.v[2 * kp + 1][VMW], ssel);
+                    y[kp] = __byte_perm(t.v[2 * kp][m], t.v[2 * kp + 1][m], sel);
+                    z[kp] = __byte_perm(t.v[2 * kp][VMW], t.v[2 * kp + 1][VMW], ssel);
                 }
             } else {
                 #pragma unroll
                 for (int kp = 0; kp < 2; ++kp) {
-                    y[kp] = cur.v[2 * kp][g8];
-                    z[kp] = cur.v[2 * kp + 1][g8];
+                    y[kp] = t.v[2 * kp][g8];
+                    z[kp] = t.v[2 * kp + 1][g8];
                 }
             }
             #pragma unroll
@@ -681,8 +742,8 @@ _DECODE_SOURCE = """
                 for (int kp = 0; kp < 2; ++kp) {
                     if (VB == 3) {
                         const int q = (b0 / 2) * 4 + j;
-                        a[2 * kp] = cb3_pair((y[kp] >> (2 * j)) & 0x0303u, neg_bits(z[kp], 15 - q));
-                        a[2 * kp + 1] = cb3_pair((y[kp] >> (16 + 2 * j)) & 0x0303u, neg_bits(z[kp], 7 - q));
+                        a[2 * kp] = cb3_pair(y[kp], 2 * j, neg_bits(z[kp], 15 - q));
+                        a[2 * kp + 1] = cb3_pair(y[kp], 16 + 2 * j, neg_bits(z[kp], 7 - q));
                     } else {
                         // nibble j (row quad) and 4 + j (row quad + 8) of two keys
                         const int b = j / 2;
@@ -696,7 +757,29 @@ _DECODE_SOURCE = """
                 mma_16x8x16(o[i], a, p_frag);
             }
         }
-        cur = next;
+    };
+    // two tiles in turn: one is used while the other loads
+    Tile even;
+    Tile odd;
+    constexpr int STRIDE = WARPS * 16;
+    int tile = first + warp * 16;
+    if (tile < last) {
+        fetch(tile, even);
+    }
+    while (tile < last) {
+        if (tile + STRIDE < last) {
+            fetch(tile + STRIDE, odd);
+        }
+        step(tile, even);
+        tile += STRIDE;
+        if (tile >= last) {
+            break;
+        }
+        if (tile + STRIDE < last) {
+            fetch(tile + STRIDE, even);
+        }
+        step(tile, odd);
+        tile += STRIDE;
     }
 
     // the lanes of a head (one per quad) hold parts of its sum
@@ -712,7 +795,7 @@ _DECODE_SOURCE = """
         const int g = 2 * pos + h;
         if (g < G) {
             if (quad == 0) {
-                warp_max[warp][g] = m_run[h];
+                warp_max[warp][g] = m_run[h] * LN2;
                 warp_sum[warp][g] = l_run[h];
             }
             #pragma unroll
@@ -1153,6 +1236,7 @@ def decode_attention(
     )
     if mask is None or isinstance(mask, str):
         mask = qd._no_mask()
+    whole = all(size % 16 == 0 for size in sizes)
     values, maxes, sums, buffers = [], [], [], None
     for first in range(0, len(sizes), MAX_PAGES):
         pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
@@ -1176,7 +1260,12 @@ def decode_attention(
         no_buffer = (1, 1, 1, 1)
         v, m, s, *held_out = _decode_kernel(n_slots)(
             inputs=inputs,
-            template=[*template, ("NP", n_slots), ("INC", fresh is not None)],
+            template=[
+                *template,
+                ("NP", n_slots),
+                ("INC", fresh is not None),
+                ("WHOLE", whole),
+            ],
             grid=(n_blocks * 32 * WARPS, rows, 1),
             threadgroup=(32 * WARPS, 1, 1),
             output_shapes=[

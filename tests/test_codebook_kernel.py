@@ -59,8 +59,8 @@ class _Emulated:
         header = codebook_kernel._header()
         self.c = {k: int(v) for k, v in re.findall(r"#define (CB\w+) (\d+)u", header)}
 
-    def cb3(self, x, neg):
-        sel = (x * 0x22 + 0x1010) & 0xFFFFFFFF
+    def cb3(self, w, s, neg):
+        sel = (((w >> s) & 0x0303) * 0x22 + 0x1010) & 0xFFFFFFFF
         return _byte_perm(self.c["CB3_LO"], self.c["CB3_HI"], sel) ^ neg
 
     @staticmethod
@@ -105,8 +105,7 @@ def test_kernel_reads_every_code_as_its_level(bits, dim):
                 mag = words[r, (gh // 2) * 3 + gh % 2]
                 sign = words[r, (gh // 2) * 3 + 2]
                 pair = (gh & 1) * 8 + kk * 4 + j
-                x = (mag >> (16 * kk + 2 * j)) & 0x0303
-                u = em.cb3(x, em.neg(sign, 15 - pair))
+                u = em.cb3(mag, 16 * kk + 2 * j, em.neg(sign, 15 - pair))
             else:
                 u = em.cb4(
                     (words[r, pos * (KC // 8) + p // 4] >> (4 * (p % 4))) & 0x000F000F
@@ -128,8 +127,8 @@ def test_kernel_reads_every_code_as_its_level(bits, dim):
                 ssel = mw | ((mw + 2) << 4) | ((mw + 4) << 8) | ((mw + 6) << 12)
                 y, z = _byte_perm(*mag, sel), _byte_perm(*sgn, ssel)
                 q = (b0 // 2) * 4 + j
-                a0 = em.cb3((y >> (2 * j)) & 0x0303, em.neg(z, 15 - q))
-                a1 = em.cb3((y >> (16 + 2 * j)) & 0x0303, em.neg(z, 7 - q))
+                a0 = em.cb3(y, 2 * j, em.neg(z, 15 - q))
+                a1 = em.cb3(y, 16 + 2 * j, em.neg(z, 7 - q))
             else:
                 w = [words[k, start // 8 + g8] for k in (k0, k1)]
                 b, sh = j // 2, 4 * (j % 2)
@@ -315,6 +314,8 @@ def test_encode_and_dequantize_kernels(bits, dim, rotation):
         ((4, 4), (32, 8), 128, 3000, 1024, "kv"),
         ((3, 4), (16, 4), 256, 2500, 1024, ""),
         ((4, 3), (9, 3), 64, 777, 256, "k"),
+        # pages of a size that is not a multiple of 16 (the kernel's tiles)
+        ((3, 3), (32, 8), 128, 2100, 1000, ""),
     ],
 )
 def test_attention_kernels_against_float32(bits, heads, dim, tokens, page, center):

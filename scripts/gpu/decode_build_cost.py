@@ -1,12 +1,13 @@
-"""Host time to build one decode layer's graph: codebook-3 against affine 4-bit.
+"""Host time of one decode layer: codebook-3 against affine 4-bit.
 
 Per layer of a Llama-3-8B shape (32 q / 8 kv heads, head dim 128), caches of
 ``--context`` tokens (codebook-3 also with its held tokens written as they
 come, ``/slices``): the median microseconds Python and MLX spend building a
 decode token's cache update and attention (the kernels' launches included as
-graph nodes, not run), each step evaluated outside the timing. A decode step
-that waits on the host pays this once per layer. ``--profile`` adds cProfile's
-functions with the most time of their own.
+graph nodes, not run), and ``mx.async_eval``'s own time on that graph (the
+host encoding its kernels), each step finished outside the timing. A decode
+step that waits on the host pays both once per layer. ``--profile`` adds
+cProfile's functions with the most time of their own.
 
     python3 scripts/gpu/decode_build_cost.py --context 32768
 """
@@ -48,13 +49,17 @@ def decode_layer(cache, query, token):
 
 
 def median_us(build, steps):
-    times = []
+    """Median microseconds of building a step and of launching it."""
+    builds, launches = [], []
     for _ in range(steps):
         start = time.perf_counter()
         out = build()
-        times.append(time.perf_counter() - start)
+        built = time.perf_counter()
+        mx.async_eval(out)
+        launches.append(time.perf_counter() - built)
+        builds.append(built - start)
         mx.eval(out)
-    return 1e6 * statistics.median(times)
+    return 1e6 * statistics.median(builds), 1e6 * statistics.median(launches)
 
 
 def main():
@@ -69,7 +74,11 @@ def main():
     for _ in range(opts.repeats):
         for name, cache in filled_caches(opts.context).items():
             build = decode_layer(cache, query, token)
-            print(f"{name:17s} {median_us(build, opts.steps):6.1f} us", flush=True)
+            built, launched = median_us(build, opts.steps)
+            print(
+                f"{name:17s} build {built:6.1f} us  launch {launched:6.1f} us",
+                flush=True,
+            )
     if opts.profile:
         for name, cache in filled_caches(opts.context).items():
             build = decode_layer(cache, query, token)
