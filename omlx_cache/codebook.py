@@ -653,9 +653,9 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     # 0009's ``QuantizedKVCache.decode_buffer``: a step writes two slices
     # instead of encoding keys and values and writing four. They are centered
     # (and weighted) like the stored tokens but not rotated, and encoded into
-    # the pages when the buffer fills and before anything else reads the
-    # pages. None: 32 where the kernel runs (``codebook_kernel.holds``), else
-    # none.
+    # the pages when a token comes to a full buffer and before anything else
+    # reads the pages. None: 32 where the kernel runs
+    # (``codebook_kernel.holds``), else none.
     decode_buffer = None
     held_keys = held_values = None
     n_held = 0
@@ -1043,6 +1043,11 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             self.held_keys = mx.zeros(shape, keys.dtype)
             self.held_values = mx.zeros((*shape[:3], values.shape[-1]), values.dtype)
         self._land_incoming()
+        if self.n_held == size:
+            # encoded as the next token comes, not as the last one lands:
+            # every decode step attends a held token, so the kernel compiles
+            # once (a variant with none took seconds at the first flush)
+            self._flush_held()
         keys, values = self._weighted(*self._center(keys, values))
         self.n_held += 1
         self.offset += 1
@@ -1050,9 +1055,7 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             x if x.dtype == held.dtype else x.astype(held.dtype)
             for x, held in ((keys, self.held_keys), (values, self.held_values))
         )
-        if self.n_held == size:
-            self._flush_held()
-        elif not self.kernel_writes_held:
+        if not self.kernel_writes_held:
             self._land_incoming()
         return True
 

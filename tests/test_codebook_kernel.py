@@ -237,10 +237,10 @@ def _check_decode_buffer(center):
             assert c.n_held == 0  # the ops path encodes what is held first
     for a, b in zip(*outs):
         assert mx.allclose(a, b, atol=1e-6)
-    for t in range(5):  # the buffer fills at 4 tokens and is encoded
+    for t in range(5):  # the buffer fills at 4 tokens, encoded as a 5th comes
         for c in caches:
             c.update_and_fetch(steps[:, :, t : t + 1], steps[:, :, t : t + 1])
-        assert caches[1].n_held == (t + 1) % 4
+        assert caches[1].n_held == t % 4 + 1
     assert caches[1].offset == caches[0].offset == 66
     state = caches[1].state  # encodes the held token
     assert caches[1].n_held == 0

@@ -13,7 +13,7 @@ import argparse
 import json
 import re
 
-KERNEL = re.compile(r"^  (\S+)\(.*\) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)")
+KERNEL = re.compile(r"^  (\S.*) \((\d+), (\d+), (\d+)\)x\((\d+), (\d+), (\d+)\)")
 METRIC = re.compile(r"^    (\S.*?)\s{2,}(\S+)?\s+([-\d.,]+)$")
 
 
@@ -24,13 +24,26 @@ def number(text):
         return text
 
 
+def kernel_name(signature):
+    """A launch's kernel without its return type, parameter list and MLX's
+    custom-kernel prefix (MLX's own kernels are templates in namespaces)."""
+    name = signature.removeprefix("void ")
+    depth = 0
+    for i in range(len(name) - 1, -1, -1):
+        depth += {")": 1, "(": -1}.get(name[i], 0)
+        if depth == 0:
+            name = name[:i] if name[i] == "(" else name
+            break
+    return name.removeprefix("custom_kernel_")
+
+
 def launches(lines):
     """The launches of one report, in order."""
     rows = []
     for line in lines:
         kernel = KERNEL.match(line)
         if kernel:
-            name = kernel.group(1).removeprefix("custom_kernel_")
+            name = kernel_name(kernel.group(1))
             dims = [int(x) for x in kernel.groups()[1:]]
             rows.append(
                 {"kernel": name, "grid": dims[:3], "block": dims[3:], "metrics": {}}
