@@ -665,14 +665,6 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     # as it comes (to compare).
     incoming = None
     kernel_writes_held = True
-    # the decode kernel's counters (``codebook_kernel.new_arrivals``): with
-    # them it combines its partials itself, one launch a layer instead of two
-    arrivals = None
-
-    def _arrivals(self, rows):
-        if self.arrivals is None or self.arrivals.shape[0] != rows:
-            self.arrivals = codebook_kernel.new_arrivals(rows)
-        return self.arrivals
 
     def _land_incoming(self):
         """Write the incoming held token into the buffer."""
@@ -865,10 +857,9 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
         if exact is None:
             # CUDA kernels where they apply (codebook_kernel), else MLX ops;
             # the kernels do not read kept tokens
-            held = arrivals = None
+            held = None
             if self.n_held:
                 held = (self.held_keys, self.held_values, self.n_held, self.incoming)
-                arrivals = self._arrivals(queries.shape[0] * self.held_keys.shape[1])
             length = self._length() - self.n_held
             result = codebook_kernel.attention(
                 queries,
@@ -880,7 +871,6 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
                 sinks,
                 length,
                 held,
-                arrivals,
             )
             if result is not None:
                 out, buffers = result

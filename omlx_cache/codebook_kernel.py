@@ -356,81 +356,6 @@ _DECODE_SOURCE = """
     const float inv_sqrt_d = 1.f / sqrtf((float)D);
     const float scale = __int_as_float(meta[3 * NP + 2]);
 
-    // FUSE: the last block of a row to finish combines the row's partials
-    // into its output (the combine kernel's work, one launch and one graph
-    // node fewer a layer): each block fences its partials and counts itself
-    // in `arrivals`, which the last one sets back to 0 for the next call
-    __shared__ int is_last;
-    auto combine_if_last = [&]() {
-        if (!FUSE) {
-            return;
-        }
-        __threadfence();
-        __syncthreads();
-        int* counts = const_cast<int*>(arrivals);
-        if (threadIdx.x == 0) {
-            is_last = atomicAdd(&counts[bh], 1) == (int)gridDim.x - 1;
-        }
-        __syncthreads();
-        if (!is_last) {
-            return;
-        }
-        __threadfence();
-        constexpr int E = D / 32;
-        const int S = gridDim.x;
-        const size_t parts = (size_t)bh * S;
-        for (int g = warp; g < G; g += WARPS) {
-            float top = neg_inf;
-            for (int b = lane; b < S; b += 32) {
-                top = fmaxf(top, __ldcg(&out_max[(parts + b) * G + g]));
-            }
-            #pragma unroll
-            for (int o_ = 16; o_ > 0; o_ >>= 1) {
-                top = fmaxf(top, __shfl_xor_sync(0xffffffff, top, o_));
-            }
-            float total = 0.f;
-            float acc[E];
-            #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                acc[e] = 0.f;
-            }
-            // 32 blocks' weights at a time, a lane each, then every lane
-            // takes each block's weight by a shuffle (loads that wait on none)
-            for (int b0 = 0; b0 < S; b0 += 32) {
-                const int b = b0 + lane;
-                const size_t i = (parts + b) * G + g;
-                const float w = b < S ? __expf(__ldcg(&out_max[i]) - top) : 0.f;
-                total += b < S ? w * __ldcg(&out_sum[i]) : 0.f;
-                const int n = min(32, S - b0);
-                #pragma unroll 8
-                for (int j = 0; j < n; ++j) {
-                    const float wj = __shfl_sync(0xffffffff, w, j);
-                    const auto row = out_values + ((parts + b0 + j) * G + g) * D;
-                    #pragma unroll
-                    for (int e = 0; e < E; ++e) {
-                        acc[e] += wj * __ldcg(&row[e * 32 + lane]);
-                    }
-                }
-            }
-            #pragma unroll
-            for (int o_ = 16; o_ > 0; o_ >>= 1) {
-                total += __shfl_xor_sync(0xffffffff, total, o_);
-            }
-            float norm = 1.f / total;
-            if (RV) {
-                fwht_warp<E>(acc, lane);
-                norm *= inv_sqrt_d;
-            }
-            #pragma unroll
-            for (int e = 0; e < E; ++e) {
-                out[((size_t)bh * G + g) * D + e * 32 + lane] = static_cast<QT>(acc[e] * norm);
-            }
-        }
-        if (threadIdx.x == 0) {
-            counts[bh] = 0;
-        }
-    };
-
     // the first block takes the held (unquantized, unrotated) decode tokens,
     // if any, on CUDA cores: a warp per query head, a lane D / 32 dims; they
     // follow the pages' keys, but it starts first so as not to run alone at
@@ -536,7 +461,6 @@ _DECODE_SOURCE = """
                 out_sum[part * G + g] = l;
             }
         }
-        combine_if_last();
         return;
     }
     const int block = blockIdx.x - (n_held > 0);
@@ -909,7 +833,6 @@ _DECODE_SOURCE = """
             out_sum[part * G + g] = total;
         }
     }
-    combine_if_last();
 """
 
 _COMBINE_SOURCE = """
@@ -1037,8 +960,8 @@ def _decode_kernel(n_pages):
         f"codebook_sdpa_decode_{n_pages}",
         inputs
         + ["meta", "mask", "held_keys", "held_values", "held_count"]
-        + ["new_keys", "new_values", "arrivals"],
-        ["out_values", "out_max", "out_sum", "out_held_keys", "out_held_values", "out"],
+        + ["new_keys", "new_values"],
+        ["out_values", "out_max", "out_sum", "out_held_keys", "out_held_values"],
         _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages)),
     )
 
@@ -1271,19 +1194,14 @@ def decode_attention(
     mask,
     length,
     held=None,
-    arrivals=None,
 ):
     """Attention of one query token per sequence over the first ``length``
     keys and values of the pages, then the ``held`` ones if given (keys and
     values of shape (B, n_kv_heads, buffer, D), centered like the pages but
     not rotated, how many of them count, and the last of them as a
     (B, n_kv_heads, 1, D) key and value if it is not in the buffer yet, else
-    None; ``applies`` says which calls). ``arrivals``: int32 zeros, one per
-    row of B * n_kv_heads, that the caller keeps for its calls alone (never
-    two at once): with them a call of one launch combines its partials in
-    the decode kernel (``new_arrivals`` makes them). Returns the output and,
-    where a last held token was given, the buffer with it in place (else
-    None)."""
+    None; ``applies`` says which calls). Returns the output and, where a last
+    held token was given, the buffer with it in place (else None)."""
     B, n_q_heads, _, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
     G = n_q_heads // n_kv_heads
@@ -1319,7 +1237,6 @@ def decode_attention(
     if mask is None or isinstance(mask, str):
         mask = qd._no_mask()
     whole = all(size % 16 == 0 for size in sizes)
-    fuse = arrivals is not None and len(sizes) <= MAX_PAGES
     values, maxes, sums, buffers = [], [], [], None
     for first in range(0, len(sizes), MAX_PAGES):
         pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
@@ -1340,16 +1257,14 @@ def decode_attention(
             inputs += [*key_pages[p], *value_pages[p]]
         inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
         inputs += fresh or [_no_held(held_keys.dtype)] * 2
-        inputs.append(arrivals if fuse else _held_count(0))
         no_buffer = (1, 1, 1, 1)
-        v, m, s, *held_out, out = _decode_kernel(n_slots)(
+        v, m, s, *held_out = _decode_kernel(n_slots)(
             inputs=inputs,
             template=[
                 *template,
                 ("NP", n_slots),
                 ("INC", fresh is not None),
                 ("WHOLE", whole),
-                ("FUSE", fuse),
             ],
             grid=(n_blocks * 32 * WARPS, rows, 1),
             threadgroup=(32 * WARPS, 1, 1),
@@ -1359,15 +1274,11 @@ def decode_attention(
                 (rows, n_blocks, G),
                 held_keys.shape if fresh else no_buffer,
                 held_values.shape if fresh else no_buffer,
-                (B, n_q_heads, 1, D) if fuse else no_buffer,
             ],
-            output_dtypes=[mx.float32] * 3
-            + [held_keys.dtype, held_values.dtype, queries.dtype],
+            output_dtypes=[mx.float32] * 3 + [held_keys.dtype, held_values.dtype],
         )
         if fresh:
             buffers = tuple(held_out)
-        if fuse:
-            return out, buffers
         values.append(v)
         maxes.append(m)
         sums.append(s)
@@ -1388,14 +1299,6 @@ def decode_attention(
     return out, buffers
 
 
-def new_arrivals(rows: int) -> mx.array:
-    """The counters ``decode_attention`` combines with: one per row, kept
-    by a cache for its own calls."""
-    arrivals = mx.zeros((rows,), dtype=mx.int32)
-    mx.eval(arrivals)
-    return arrivals
-
-
 def attention(
     queries,
     key_pages,
@@ -1407,13 +1310,12 @@ def attention(
     sinks,
     length,
     held=None,
-    arrivals=None,
 ):
     """The kernels' attention over a codebook cache's pages (the first
-    ``length`` tokens, then the ``held`` ones, and ``arrivals``, as in
-    ``decode_attention``): the output and the held buffer with its incoming
-    token in place (or None), or None where they do not apply (the caller
-    takes the MLX-ops path)."""
+    ``length`` tokens, then the ``held`` ones as in ``decode_attention``):
+    the output and the held buffer with its incoming token in place (or
+    None), or None where they do not apply (the caller takes the MLX-ops
+    path)."""
     codecs = (key_codec, value_codec)
     n_held = held[2] if held else 0
     if not applies(
@@ -1422,7 +1324,7 @@ def attention(
         return None
     args = (queries, key_pages, value_pages, *codecs, scale, mask, length)
     if queries.shape[2] == 1:
-        return decode_attention(*args, held=held, arrivals=arrivals)
+        return decode_attention(*args, held=held)
     out = prefill_attention(*args)
     # one layer's decoded copy at a time, as patch 0016 does for affine pages:
     # a chunk's lazy graph would hold every layer's (16 GiB at 128K, 8B shape)
@@ -1438,6 +1340,5 @@ __all__ = [
     "encode",
     "encodes",
     "holds",
-    "new_arrivals",
     "prefill_attention",
 ]

@@ -363,29 +363,6 @@ def test_batched_decode_kernel_with_left_padding():
         assert relative_error(out, ref) < 5e-3
 
 
-@cuda_only
-@pytest.mark.parametrize("held", [0, 5])
-def test_decode_kernel_combines_its_own_partials(held):
-    """With counters the decode kernel's last block combines the partials
-    (no combine kernel): the output of the two-launch path, call after call,
-    and the counters back at zero."""
-    mx.random.seed(11 + held)
-    cache = CodebookKVCache(3, page_size=4096)
-    k = mx.random.normal((2, 8, 3000, 128)).astype(mx.float16)
-    cache.update_and_fetch(k, k * 0.5)
-    codecs = (cache.key_codec, cache.value_codec)
-    buffer = mx.random.normal((2, 8, 8, 128)).astype(mx.float16)
-    args = {"held": (buffer, buffer * 0.5, held, None) if held else None}
-    arrivals = codebook_kernel.new_arrivals(16)
-    for _ in range(3):
-        q = mx.random.normal((2, 32, 1, 128)).astype(mx.float16)
-        call = (q, cache.key_pages, cache.value_pages, *codecs, 0.1, None, 3000)
-        two, _ = codebook_kernel.decode_attention(*call, **args)
-        one, _ = codebook_kernel.decode_attention(*call, **args, arrivals=arrivals)
-        assert relative_error(one, two) < 1e-3
-        assert (arrivals == 0).all().item()
-
-
 def test_decode_buffer_with_weighted_keys_and_kept_tokens():
     """Held decode tokens are weighted like the stored keys (their pages equal
     a cache's without a buffer); a cache keeping its first tokens holds none
