@@ -658,6 +658,11 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     # (``codebook_kernel.holds``), else none.
     decode_buffer = None
     held_keys = held_values = None
+    # set by mlx-lm's ``generate.reserve_quantized_cache`` (as for
+    # ``QuantizedKVCache``): the first page holds the whole generation, so a
+    # decode call gives the kernel one page, not one per 4,096 tokens (each
+    # array a launch takes costs the host, patch 0010)
+    reserve = None
     n_held = 0
     # The last held token while it is not yet in the buffer: the decode
     # kernel writes it there (its output replaces the buffer), which saves a
@@ -665,6 +670,12 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     # as it comes (to compare).
     incoming = None
     kernel_writes_held = True
+
+    def _write_pages(self, keys, values, offset, page_size, transformed=False):
+        if self.reserve and not self.key_pages:
+            # a multiple of 16 tokens keeps the decode kernel's tiles in a page
+            self._add_page(keys, values, -(-self.reserve // 16) * 16)
+        super()._write_pages(keys, values, offset, page_size, transformed)
 
     def _land_incoming(self):
         """Write the incoming held token into the buffer."""

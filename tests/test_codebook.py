@@ -448,6 +448,10 @@ def test_generate_step_with_codebook_caches(model):
     assert len(tokens) == 12 and all(0 <= t < CONFIG["vocab_size"] for t in tokens)
     # generate_step feeds each token as it yields it
     assert cache[0].offset == len(prompt) + len(tokens)
+    # and reserves the whole generation: one page of the prompt and max_tokens
+    # (rounded up to 16 rows), so a decode step passes the kernel one page
+    assert cache[0].reserve == len(prompt) + 12
+    assert [p[0].shape[2] for p in cache[0].key_pages] == [64]
     # a lossless value codec and 4-bit keys stay close to the plain cache
     near = generated(model, prompt, [CodebookKVCache(4, Plain()) for _ in range(2)])
     exact = generated(model, prompt, [KVCache() for _ in range(2)])
