@@ -5,9 +5,12 @@ Per layer of a Llama-3-8B shape (32 q / 8 kv heads, head dim 128), caches of
 come, ``/slices``): the median microseconds Python and MLX spend building a
 decode token's cache update and attention (the kernels' launches included as
 graph nodes, not run), and ``mx.async_eval``'s own time on that graph (the
-host encoding its kernels), each step finished outside the timing. A decode
-step that waits on the host pays both once per layer. ``--profile`` adds
-cProfile's functions with the most time of their own.
+host encoding its kernels), each step finished outside the timing. The
+schemes take turns step by step (the host's speed drifts by a factor of two
+within a run), and each scheme's steps are also compared with affine 4-bit's
+of the same turn (the median of the paired ratios of build plus launch). A
+decode step that waits on the host pays both once per layer. ``--profile``
+adds cProfile's functions with the most time of their own.
 
     python3 scripts/gpu/decode_build_cost.py --context 32768
 """
@@ -48,18 +51,32 @@ def decode_layer(cache, query, token):
     return build
 
 
-def median_us(build, steps):
-    """Median microseconds of building a step and of launching it."""
-    builds, launches = [], []
+def timings(builds, steps):
+    """Per scheme, the seconds of building each step and of launching it,
+    the schemes taking turns."""
+    times = {name: ([], []) for name in builds}
     for _ in range(steps):
-        start = time.perf_counter()
-        out = build()
-        built = time.perf_counter()
-        mx.async_eval(out)
-        launches.append(time.perf_counter() - built)
-        builds.append(built - start)
-        mx.eval(out)
-    return 1e6 * statistics.median(builds), 1e6 * statistics.median(launches)
+        for name, build in builds.items():
+            start = time.perf_counter()
+            out = build()
+            built = time.perf_counter()
+            mx.async_eval(out)
+            times[name][0].append(built - start)
+            times[name][1].append(time.perf_counter() - built)
+            mx.eval(out)
+    return times
+
+
+def report(times):
+    affine = [b + la for b, la in zip(*times["4"])]
+    for name, (builds, launches) in times.items():
+        paired = [(b + la) / a for b, la, a in zip(builds, launches, affine)]
+        print(
+            f"{name:17s} build {1e6 * statistics.median(builds):6.1f} us  "
+            f"launch {1e6 * statistics.median(launches):6.1f} us  "
+            f"vs 4 {statistics.median(paired):5.2f}x",
+            flush=True,
+        )
 
 
 def main():
@@ -72,13 +89,9 @@ def main():
     query = mx.random.normal((1, N_Q, 1, D)).astype(mx.float16)
     token = mx.random.normal((1, N_KV, 1, D)).astype(mx.float16)
     for _ in range(opts.repeats):
-        for name, cache in filled_caches(opts.context).items():
-            build = decode_layer(cache, query, token)
-            built, launched = median_us(build, opts.steps)
-            print(
-                f"{name:17s} build {built:6.1f} us  launch {launched:6.1f} us",
-                flush=True,
-            )
+        caches = filled_caches(opts.context)
+        builds = {name: decode_layer(c, query, token) for name, c in caches.items()}
+        report(timings(builds, opts.steps))
     if opts.profile:
         for name, cache in filled_caches(opts.context).items():
             build = decode_layer(cache, query, token)
