@@ -64,7 +64,6 @@ def _floats(values) -> str:
 
 
 @functools.cache
-@functools.cache
 def _header() -> str:
     lv3, lv4 = (np.array(lloyd_max(b)[0]) for b in (3, 4))
     thr3, thr4 = ((lv[1:] + lv[:-1]) / 2 for lv in (lv3, lv4))
