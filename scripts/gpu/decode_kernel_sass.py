@@ -77,18 +77,26 @@ def kernel_source(dim, heads, key_bits, value_bits, whole):
 
 
 def sass(code):
+    """(ptxas's register and spill report, the SASS) of ``code``."""
     with tempfile.TemporaryDirectory() as tmp:
         cu, cubin = os.path.join(tmp, "k.cu"), os.path.join(tmp, "k.cubin")
         with open(cu, "w") as f:
             f.write(code)
-        subprocess.run(
-            ["nvcc", "-arch=sm_90", "-cubin", "-o", cubin, cu],
+        built = subprocess.run(
+            ["nvcc", "-arch=sm_90", "-cubin", "-Xptxas", "-v", "-o", cubin, cu],
             check=True,
             capture_output=True,
+            text=True,
         )
-        return subprocess.run(
+        report = [
+            line.strip()
+            for line in built.stderr.splitlines()
+            if "Used" in line or "spill" in line
+        ]
+        listing = subprocess.run(
             ["cuobjdump", "-sass", cubin], check=True, capture_output=True, text=True
-        ).stdout
+        )
+        return report, listing.stdout
 
 
 def tile_instructions(text):
@@ -129,13 +137,15 @@ def main():
     parser.add_argument("--clamped", action="store_true", help="WHOLE = 0")
     opts = parser.parse_args()
     code = kernel_source(opts.dim, opts.heads, *opts.bits, not opts.clamped)
-    kept, hmmas = tile_instructions(sass(code))
+    report, listing = sass(code)
+    kept, hmmas = tile_instructions(listing)
     tiles = hmmas // (opts.dim // 8)  # an mma per 16 dims, keys and values
     ops = collections.Counter(op.split(".")[0] for _, op, _ in kept)
     print(
         f"D {opts.dim}, bits {opts.bits}: {len(kept) / tiles:.0f} instructions "
         f"a tile ({tiles} tiles in the loop body)"
     )
+    print(*report, sep="\n")
     for op, n in ops.most_common(8):
         print(f"  {op:8s} {n / tiles:6.1f}")
 
