@@ -865,29 +865,28 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
         codecs = (self.key_codec, self.value_codec)
         exact = self._exact()
         out = None
-        if exact is None:
-            # CUDA kernels where they apply (codebook_kernel), else MLX ops;
-            # the kernels do not read kept tokens
-            held = None
-            if self.n_held:
-                held = (self.held_keys, self.held_values, self.n_held, self.incoming)
-            length = self._length() - self.n_held
-            result = codebook_kernel.attention(
-                queries,
-                self.key_pages,
-                self.value_pages,
-                *codecs,
-                scale,
-                mask,
-                sinks,
-                length,
-                held,
-            )
-            if result is not None:
-                out, buffers = result
-                if buffers is not None:
-                    self.held_keys, self.held_values = buffers
-                    self.incoming = None
+        # CUDA kernels where they apply (codebook_kernel), else MLX ops
+        held = None
+        if self.n_held:
+            held = (self.held_keys, self.held_values, self.n_held, self.incoming)
+        length = self._length() - self.n_held
+        result = codebook_kernel.attention(
+            queries,
+            self.key_pages,
+            self.value_pages,
+            *codecs,
+            scale,
+            mask,
+            sinks,
+            length,
+            held,
+            exact,
+        )
+        if result is not None:
+            out, buffers = result
+            if buffers is not None:
+                self.held_keys, self.held_values = buffers
+                self.incoming = None
         if out is None:
             self._flush_held()
             out = codebook_scaled_dot_product_attention(
@@ -1042,8 +1041,9 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
 
     def _hold(self, keys, values) -> bool:
         """Hold a decode token unquantized if the buffer is on (True)."""
-        if self.keep_exact or self._pending is not None:
-            return False  # the kernels do not read kept tokens
+        if self._pending is not None or self.offset < self._exact_rows():
+            # the first tokens are kept as they are written to the pages
+            return False
         size = self._buffer_size(keys, values)
         if not size:
             return False

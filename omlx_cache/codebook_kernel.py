@@ -39,7 +39,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models import quantized_decode as qd
 
-from .codebook import NORM_BITS, Codebook, lloyd_max
+from .codebook import NORM_BITS, Codebook, lloyd_max, rotate
 
 WARPS = 4
 COMBINE_WARPS = 16
@@ -356,16 +356,18 @@ _DECODE_SOURCE = """
     const float scale = __int_as_float(meta[3 * NP + 2]);
 
     // the first block takes the held (unquantized, unrotated) decode tokens,
-    // if any, on CUDA cores: a warp per query head, a lane D / 32 dims; they
-    // follow the pages' keys, but it starts first so as not to run alone at
-    // the end. Its weighted values are rotated like the pages' (RV).
+    // if any, and the kept first tokens (KEPT: unquantized, rotated like the
+    // pages) on CUDA cores: a warp per query head, a lane D / 32 dims; they
+    // start first so as not to run alone at the end. The held tokens' weighted
+    // values are rotated like the pages' (RV), the kept ones' already are.
     const int n_held = held_count[0];
-    if (n_held > 0 && blockIdx.x == 0) {
+    const int row_kept = kept_shape[0] > 1 ? bh / NKV : 0;
+    if ((n_held > 0 || KEPT) && blockIdx.x == 0) {
         int stored = 0;
         for (int i = 0; i < NP; ++i) {
             stored = max(stored, meta[2 * NP + i] + meta[i]);
         }
-        const auto mask_held = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0) + stored;
+        const auto mask_seq = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0);
         const int buffer = held_keys_shape[2];
         const size_t part = (size_t)bh * gridDim.x;
         // INC: the last held token comes as new_keys / new_values; the
@@ -380,70 +382,104 @@ _DECODE_SOURCE = """
                 out_held_values[base + i] = fresh ? fresh_values[i % D] : held_values[base + i];
             }
         }
+        const int kept_first = kept[2 * row_kept];
+        const int n_kept = KEPT ? kept[2 * row_kept + 1] : 0;
+        const int kept_rows = kept_keys_shape[2];
         for (int g = warp; g < G; g += WARPS) {
             const auto q_src = queries + ((size_t)bh * G + g) * D;
             float q[D / 32];
+            float q_rot[D / 32];
             float acc[D / 32];
+            float acc_rot[D / 32];
             #pragma unroll
             for (int i = 0; i < D / 32; ++i) {
                 q[i] = static_cast<float>(q_src[i * 32 + lane]) * scale;
+                q_rot[i] = q[i];
                 acc[i] = 0.f;
+                acc_rot[i] = 0.f;
+            }
+            if (KEPT && RK) {
+                fwht_warp<D / 32>(q_rot, lane);
+                #pragma unroll
+                for (int i = 0; i < D / 32; ++i) {
+                    q_rot[i] *= inv_sqrt_d;
+                }
             }
             float m = neg_inf;
             float l = 0.f;
-            // four keys at a time, their rows loaded before any is used
-            for (int k0 = 0; k0 < n_held; k0 += 4) {
-                float hk[4][D / 32];
-                float hv[4][D / 32];
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int k = min(k0 + u, n_held - 1);
-                    const bool fresh = INC && k == n_held - 1;
-                    const auto key_row = fresh ? fresh_keys : held_keys + ((size_t)bh * buffer + k) * D;
-                    const auto value_row = fresh ? fresh_values : held_values + ((size_t)bh * buffer + k) * D;
-                    #pragma unroll
-                    for (int i = 0; i < D / 32; ++i) {
-                        hk[u][i] = static_cast<float>(key_row[i * 32 + lane]);
-                        hv[u][i] = static_cast<float>(value_row[i * 32 + lane]);
-                    }
-                }
-                float s[4];
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    s[u] = 0.f;
-                    #pragma unroll
-                    for (int i = 0; i < D / 32; ++i) {
-                        s[u] += q[i] * hk[u][i];
-                    }
-                }
-                #pragma unroll
-                for (int o_ = 16; o_ > 0; o_ >>= 1) {
+            // count keys from rows (row k of this head at rows + k * D),
+            // the last one from last_row if given, at positions mask_at on:
+            // four at a time, their rows loaded before any is used, their
+            // weighted values into sum (the other accumulator rescaled too)
+            auto attend = [&](const HT* rows, const HT* value_rows, int count,
+                              const HT* last_key, const HT* last_value,
+                              const MT* mask_at, const float (&qv)[D / 32],
+                              float (&sum)[D / 32], float (&other)[D / 32]) {
+                for (int k0 = 0; k0 < count; k0 += 4) {
+                    float hk[4][D / 32];
+                    float hv[4][D / 32];
                     #pragma unroll
                     for (int u = 0; u < 4; ++u) {
-                        s[u] += __shfl_xor_sync(0xffffffff, s[u], o_);
+                        const int k = min(k0 + u, count - 1);
+                        const bool last = last_key != nullptr && k == count - 1;
+                        const auto key_row = last ? last_key : rows + (size_t)k * D;
+                        const auto value_row = last ? last_value : value_rows + (size_t)k * D;
+                        #pragma unroll
+                        for (int i = 0; i < D / 32; ++i) {
+                            hk[u][i] = static_cast<float>(key_row[i * 32 + lane]);
+                            hv[u][i] = static_cast<float>(value_row[i * 32 + lane]);
+                        }
                     }
-                }
-                #pragma unroll
-                for (int u = 0; u < 4; ++u) {
-                    const int k = k0 + u;
-                    if (k >= n_held) {
-                        break;
-                    }
-                    if (MASK == 1 && !static_cast<bool>(mask_held[k])) {
-                        continue;
-                    }
-                    const float sk = MASK == 2 ? s[u] + static_cast<float>(mask_held[k]) : s[u];
-                    const float m_new = fmaxf(m, sk);
-                    const float correction = __expf(m - m_new);
-                    const float p = __expf(sk - m_new);
-                    l = l * correction + p;
+                    float s[4];
                     #pragma unroll
-                    for (int i = 0; i < D / 32; ++i) {
-                        acc[i] = acc[i] * correction + p * hv[u][i];
+                    for (int u = 0; u < 4; ++u) {
+                        s[u] = 0.f;
+                        #pragma unroll
+                        for (int i = 0; i < D / 32; ++i) {
+                            s[u] += qv[i] * hk[u][i];
+                        }
                     }
-                    m = m_new;
+                    #pragma unroll
+                    for (int o_ = 16; o_ > 0; o_ >>= 1) {
+                        #pragma unroll
+                        for (int u = 0; u < 4; ++u) {
+                            s[u] += __shfl_xor_sync(0xffffffff, s[u], o_);
+                        }
+                    }
+                    #pragma unroll
+                    for (int u = 0; u < 4; ++u) {
+                        const int k = k0 + u;
+                        if (k >= count) {
+                            break;
+                        }
+                        if (MASK == 1 && !static_cast<bool>(mask_at[k])) {
+                            continue;
+                        }
+                        const float sk = MASK == 2 ? s[u] + static_cast<float>(mask_at[k]) : s[u];
+                        const float m_new = fmaxf(m, sk);
+                        const float correction = __expf(m - m_new);
+                        const float p = __expf(sk - m_new);
+                        l = l * correction + p;
+                        #pragma unroll
+                        for (int i = 0; i < D / 32; ++i) {
+                            sum[i] = sum[i] * correction + p * hv[u][i];
+                            if (KEPT) {
+                                other[i] *= correction;
+                            }
+                        }
+                        m = m_new;
+                    }
                 }
+            };
+            if (KEPT) {
+                const size_t kept_base = (size_t)bh * kept_rows * D;
+                attend(kept_keys + kept_base, kept_values + kept_base, n_kept,
+                       nullptr, nullptr, mask_seq + kept_first, q_rot, acc_rot, acc);
             }
+            const size_t held_base = (size_t)bh * buffer * D;
+            attend(held_keys + held_base, held_values + held_base, n_held,
+                   INC ? fresh_keys : nullptr, INC ? fresh_values : nullptr,
+                   mask_seq + stored, q, acc, acc_rot);
             if (RV) {
                 fwht_warp<D / 32>(acc, lane);
                 #pragma unroll
@@ -453,7 +489,7 @@ _DECODE_SOURCE = """
             }
             #pragma unroll
             for (int i = 0; i < D / 32; ++i) {
-                out_values[(part * G + g) * D + i * 32 + lane] = acc[i];
+                out_values[(part * G + g) * D + i * 32 + lane] = acc[i] + acc_rot[i];
             }
             if (lane == 0) {
                 out_max[part * G + g] = m;
@@ -462,13 +498,16 @@ _DECODE_SOURCE = """
         }
         return;
     }
-    const int block = blockIdx.x - (n_held > 0);
+    const int block = blockIdx.x - (n_held > 0 || KEPT);
     const int page = block / splits;
     const int page_size = meta[NP + page];
     const int page_offset = meta[2 * NP + page];
     const int first = (block % splits) * span;
     const int last = min(first + span, meta[page]);
     const auto mask_row = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0) + page_offset;
+    // SKIP: the kept first tokens' stored copies are not attended (the
+    // extra block reads them unquantized), nor what comes before them
+    const int kept_end = SKIP ? kept[2 * row_kept] + kept[2 * row_kept + 1] - page_offset : 0;
 
     PAGE_POINTERS
 
@@ -646,7 +685,7 @@ _DECODE_SOURCE = """
         bool valid[2];
         #pragma unroll
         for (int r = 0; r < 2; ++r) {
-            valid[r] = key[r] < last;
+            valid[r] = key[r] < last && (!SKIP || key[r] >= kept_end);
             float added = 0.f;
             if (MASK == 1 && valid[r]) {
                 valid[r] = static_cast<bool>(mask_row[key[r]]);
@@ -959,7 +998,7 @@ def _decode_kernel(n_pages):
         f"codebook_sdpa_decode_{n_pages}",
         inputs
         + ["meta", "mask", "held_keys", "held_values", "held_count"]
-        + ["new_keys", "new_values"],
+        + ["new_keys", "new_values", "kept_keys", "kept_values", "kept"],
         ["out_values", "out_max", "out_sum", "out_held_keys", "out_held_values"],
         _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages)),
     )
@@ -1125,12 +1164,32 @@ def _dequantize_pages(pages, codec, length, dtype):
 
 
 def prefill_attention(
-    queries, key_pages, value_pages, key_codec, value_codec, scale, mask, length
+    queries,
+    key_pages,
+    value_pages,
+    key_codec,
+    value_codec,
+    scale,
+    mask,
+    length,
+    kept=None,
 ):
     """Attention of several queries: the stored keys and values decoded (in
-    the queries' dtype) and ``mx.fast.scaled_dot_product_attention``."""
+    the queries' dtype), the ``kept`` first tokens in place of their copies
+    (as in ``decode_attention``; one sequence's, else None is returned for
+    the MLX-ops path), and ``mx.fast.scaled_dot_product_attention``."""
     keys = _dequantize_pages(key_pages, key_codec, length, queries.dtype)
     values = _dequantize_pages(value_pages, value_codec, length, queries.dtype)
+    if kept is not None:
+        kept_keys, kept_values, first, count = kept
+        if not isinstance(first, int):
+            return None
+        for x, rows, c in (
+            (keys, kept_keys, key_codec),
+            (values, kept_values, value_codec),
+        ):
+            rows = rotate(rows[:, :, :count], c.rotation, inverse=True)
+            x[:, :, first : first + count] = rows.astype(x.dtype)
     return mx.fast.scaled_dot_product_attention(
         queries, keys, values, scale=scale, mask=mask
     )
@@ -1183,6 +1242,27 @@ def _no_held(dtype):
     return mx.zeros((1, 1, 1, 1), dtype=dtype)
 
 
+@functools.cache
+def _kept_span(first, count):
+    """The kernel's (first, count) of one sequence's kept tokens: made once
+    per count, as ``_held_count``."""
+    return mx.array([[first, count]], dtype=mx.int32)
+
+
+def _kept_inputs(kept, dtype):
+    """The kept tokens as the decode kernel reads them: keys and values in
+    the held tokens' ``dtype`` and (first, count) per sequence."""
+    if kept is None:
+        return _no_held(dtype), _no_held(dtype), _kept_span(0, 0)
+    keys, values, first, count = kept
+    if isinstance(first, int):
+        span = _kept_span(first, count)
+    else:
+        span = mx.stack([first, mx.full(first.shape, count)], axis=1)
+        span = span.astype(mx.int32)
+    return keys.astype(dtype), values.astype(dtype), span
+
+
 def decode_attention(
     queries,
     key_pages,
@@ -1193,14 +1273,19 @@ def decode_attention(
     mask,
     length,
     held=None,
+    kept=None,
 ):
     """Attention of one query token per sequence over the first ``length``
     keys and values of the pages, then the ``held`` ones if given (keys and
     values of shape (B, n_kv_heads, buffer, D), centered like the pages but
     not rotated, how many of them count, and the last of them as a
     (B, n_kv_heads, 1, D) key and value if it is not in the buffer yet, else
-    None; ``applies`` says which calls). Returns the output and, where a last
-    held token was given, the buffer with it in place (else None)."""
+    None; ``applies`` says which calls). ``kept``: the cache's first tokens
+    kept unquantized (keys and values as stored, rotated like the pages, the
+    position of each sequence's first token, an int or a (B,) array, and how
+    many), read instead of their copies in the pages. Returns the output and,
+    where a last held token was given, the buffer with it in place (else
+    None)."""
     B, n_q_heads, _, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
     G = n_q_heads // n_kv_heads
@@ -1236,6 +1321,7 @@ def decode_attention(
     if mask is None or isinstance(mask, str):
         mask = qd._no_mask()
     whole = all(size % 16 == 0 for size in sizes)
+    kept_keys, kept_values, kept_span = _kept_inputs(kept, held_keys.dtype)
     values, maxes, sums, buffers = [], [], [], None
     for first in range(0, len(sizes), MAX_PAGES):
         pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
@@ -1245,9 +1331,11 @@ def decode_attention(
             length, launch_sizes, sum(sizes[:first]), rows, n_slots, scale_bits
         )
         n_blocks = len(pages) * splits
-        # the last launch has one more block for the held keys
-        n_launch_held = n_held if first + MAX_PAGES >= len(sizes) else 0
-        if n_launch_held:
+        # the last launch has one more block for the held and kept keys
+        last_launch = first + MAX_PAGES >= len(sizes)
+        n_launch_held = n_held if last_launch else 0
+        launch_kept = kept is not None and last_launch
+        if n_launch_held or launch_kept:
             n_blocks += 1
         fresh = incoming if n_launch_held else None
         pages += [pages[-1]] * (n_slots - len(pages))
@@ -1256,6 +1344,7 @@ def decode_attention(
             inputs += [*key_pages[p], *value_pages[p]]
         inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
         inputs += fresh or [_no_held(held_keys.dtype)] * 2
+        inputs += [kept_keys, kept_values, kept_span]
         no_buffer = (1, 1, 1, 1)
         v, m, s, *held_out = _decode_kernel(n_slots)(
             inputs=inputs,
@@ -1264,6 +1353,8 @@ def decode_attention(
                 ("NP", n_slots),
                 ("INC", fresh is not None),
                 ("WHOLE", whole),
+                ("KEPT", launch_kept),
+                ("SKIP", kept is not None),
             ],
             grid=(n_blocks * 32 * WARPS, rows, 1),
             threadgroup=(32 * WARPS, 1, 1),
@@ -1309,12 +1400,13 @@ def attention(
     sinks,
     length,
     held=None,
+    kept=None,
 ):
     """The kernels' attention over a codebook cache's pages (the first
-    ``length`` tokens, then the ``held`` ones as in ``decode_attention``):
-    the output and the held buffer with its incoming token in place (or
-    None), or None where they do not apply (the caller takes the MLX-ops
-    path)."""
+    ``length`` tokens, then the ``held`` ones, the ``kept`` first tokens in
+    place of their copies, as in ``decode_attention``): the output and the
+    held buffer with its incoming token in place (or None), or None where
+    they do not apply (the caller takes the MLX-ops path)."""
     codecs = (key_codec, value_codec)
     n_held = held[2] if held else 0
     if not applies(
@@ -1323,8 +1415,10 @@ def attention(
         return None
     args = (queries, key_pages, value_pages, *codecs, scale, mask, length)
     if queries.shape[2] == 1:
-        return decode_attention(*args, held=held)
-    out = prefill_attention(*args)
+        return decode_attention(*args, held=held, kept=kept)
+    out = prefill_attention(*args, kept=kept)
+    if out is None:
+        return None
     # one layer's decoded copy at a time, as patch 0016 does for affine pages:
     # a chunk's lazy graph would hold every layer's (16 GiB at 128K, 8B shape)
     mx.eval(out)

@@ -266,6 +266,8 @@ def _reference(queries, cache, scale, mask=None):
         held = [
             x[:, :, :n].astype(mx.float32) for x in (cache.held_keys, cache.held_values)
         ]
+        if cache.key_weights is not None:
+            held[0] = held[0] / cache.key_weights
     keys, values = cache.dequantize(mx.float32)  # (encodes the held tokens)
     if n:
         for i, mean in enumerate((cache.key_mean, cache.value_mean)):
@@ -308,19 +310,28 @@ def test_encode_and_dequantize_kernels(bits, dim, rotation):
 
 @cuda_only
 @pytest.mark.parametrize(
-    "bits,heads,dim,tokens,page,center",
+    "bits,heads,dim,tokens,page,center,settings",
     [
-        ((3, 3), (32, 8), 128, 4097, 4096, ""),
-        ((4, 4), (32, 8), 128, 3000, 1024, "kv"),
-        ((3, 4), (16, 4), 256, 2500, 1024, ""),
-        ((4, 3), (9, 3), 64, 777, 256, "k"),
+        ((3, 3), (32, 8), 128, 4097, 4096, "", {}),
+        ((4, 4), (32, 8), 128, 3000, 1024, "kv", {}),
+        ((3, 4), (16, 4), 256, 2500, 1024, "", {}),
+        ((4, 3), (9, 3), 64, 777, 256, "k", {}),
         # pages of a size that is not a multiple of 16 (the kernel's tiles)
-        ((3, 3), (32, 8), 128, 2100, 1000, ""),
+        ((3, 3), (32, 8), 128, 2100, 1000, "", {}),
+        # kept first tokens, read unquantized by the decode kernel's first
+        # block (their copies in the pages masked) and put in place of their
+        # decoded copies in prefill; with key weights
+        ((3, 3), (32, 8), 128, 2100, 4096, "kv", {"keep_exact": 16}),
+        ((4, 3), (9, 3), 64, 777, 256, "k", {"keep_exact": 5, "key_scale": "q"}),
+        # kept tokens in the first of 33 pages: two decode launches
+        ((3, 3), (8, 2), 64, 4200, 128, "", {"keep_exact": 4}),
     ],
 )
-def test_attention_kernels_against_float32(bits, heads, dim, tokens, page, center):
+def test_attention_kernels_against_float32(
+    bits, heads, dim, tokens, page, center, settings
+):
     mx.random.seed(tokens)
-    cache = CodebookKVCache(*bits, page_size=page, center=center)
+    cache = CodebookKVCache(*bits, page_size=page, center=center, **settings)
     cache.decode_buffer = 8
     n_q, n_kv = heads
     k = mx.random.normal((1, n_kv, tokens + 13, dim)).astype(mx.float16)
@@ -342,6 +353,8 @@ def test_attention_kernels_against_float32(bits, heads, dim, tokens, page, cente
             came = k[:, :, t + 1 - held : t + 1]
             if cache.key_mean is not None:
                 came = came - cache.key_mean
+            if cache.key_weights is not None:
+                came = came * cache.key_weights
             assert relative_error(cache.held_keys[:, :, :held], came) < 1e-3
             ref = _reference(q1, cache, 0.1)  # (encodes the held tokens)
             assert relative_error(out, ref) < 5e-3, (t, held)
@@ -365,8 +378,8 @@ def test_batched_decode_kernel_with_left_padding():
 
 def test_decode_buffer_with_weighted_keys_and_kept_tokens():
     """Held decode tokens are weighted like the stored keys (their pages equal
-    a cache's without a buffer); a cache keeping its first tokens holds none
-    (the kernels do not read kept tokens)."""
+    a cache's without a buffer); a cache keeping its first tokens holds
+    decode tokens once those are stored, and stores the same."""
     mx.random.seed(5)
     prompt = mx.random.normal((1, 2, 40, 64))
     prompt_queries = mx.random.normal((1, 4, 40, 64))
@@ -384,8 +397,19 @@ def test_decode_buffer_with_weighted_keys_and_kept_tokens():
         states = [c.state for c in caches]
         for a, b in zip(states[0][:2], states[1][:2]):
             assert all(mx.array_equal(x, y) for x, y in zip(a, b))
-        kept = CodebookKVCache(3, keep_exact=4)
-        kept.decode_buffer = 4
-        kept.update_and_fetch(prompt, prompt)
-        kept.update_and_fetch(steps[:, :, :1], steps[:, :, :1])
-        assert kept.n_held == 0
+        # kept first tokens: decode tokens are held once those are stored
+        kept = [CodebookKVCache(3, keep_exact=n) for n in (4, 4, 42)]
+        for c in kept[1:]:
+            c.decode_buffer = 4
+        for c in kept:
+            c.update_and_fetch(prompt, prompt)
+        for t in range(3):
+            for c in kept:
+                c.update_and_fetch(steps[:, :, t : t + 1], steps[:, :, t : t + 1])
+        assert [c.n_held for c in kept] == [0, 3, 1]
+        states = [c.state for c in kept[:2]]
+        for a, b in zip(*states):
+            a, b = (x if isinstance(x, tuple) else (x,) for x in (a, b))
+            for x, y in zip(a, b):
+                assert mx.array_equal(x, y) if isinstance(x, mx.array) else x == y
+        assert kept[2].exact_keys.shape[2] == 42

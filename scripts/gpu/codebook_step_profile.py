@@ -25,7 +25,7 @@ decode step (all layers), median over the steps:
   time (building the graph, then launching it) is most of the step.
 
 A scheme written ``name@span`` runs with the decode kernels' keys per block
-fixed at ``span`` (patch 0011's layout, shared by the codebook kernel).
+fixed at ``span`` (at least 128) (patch 0011's layout, shared by the codebook kernel).
 
 The kernels run on CUDA (``codebook_kernel``, patch 0011); elsewhere the
 MLX-ops paths (useful only to check the script):
@@ -207,6 +207,16 @@ def python_profile(build, steps, top=30):
     return {"total_ms": total, "top": rows[:top]}
 
 
+def split_span(name):
+    """(the scheme, keys per block or 0) of ``name@span``: a span is a number
+    of at least 128 after the last ``@`` (the ``@`` of a ``+kB@L`` layer
+    list is the scheme's)."""
+    base, sep, span = name.rpartition("@")
+    if sep and span.isdigit() and int(span) >= 128:
+        return base, int(span)
+    return name, 0
+
+
 @contextlib.contextmanager
 def decode_span(span):
     """Keys per block of the decode kernels (patch 0011's launch layout,
@@ -225,8 +235,8 @@ def decode_span(span):
 def profile(model, scheme, context, opts):
     """One scheme (``name`` or ``name@span``) at one context: the row of
     every measurement."""
-    name, _, span = scheme.partition("@")
-    with decode_span(int(span or 0)):
+    name, span = split_span(scheme)
+    with decode_span(span):
         row = _profile(model, name, context, opts)
     row["scheme"] = scheme
     return row

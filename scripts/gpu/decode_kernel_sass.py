@@ -36,6 +36,9 @@ TYPES = {
     "held_count": "int32_t",
     "new_keys": "__half",
     "new_values": "__half",
+    "kept_keys": "__half",
+    "kept_values": "__half",
+    "kept": "int32_t",
 }
 OUTPUTS = {
     "out_values": "float",
@@ -47,11 +50,11 @@ OUTPUTS = {
 LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)")
 
 
-def kernel_source(dim, heads, key_bits, value_bits, whole):
+def kernel_source(dim, heads, key_bits, value_bits, whole, kept=False):
     source = ck._DECODE_SOURCE.replace("PAGE_POINTERS", ck._page_pointers(1))
     inputs = ["queries", *(f"{part}_0" for part in ck._PAGE_PARTS)]
     inputs += ["meta", "mask", "held_keys", "held_values", "held_count"]
-    inputs += ["new_keys", "new_values"]
+    inputs += ["new_keys", "new_values", "kept_keys", "kept_values", "kept"]
     params = []
     for name in inputs:
         params.append(f"const {TYPES.get(name, 'uint32_t')}* __restrict__ {name}")
@@ -60,7 +63,7 @@ def kernel_source(dim, heads, key_bits, value_bits, whole):
     params += [f"{t}* __restrict__ {name}" for name, t in OUTPUTS.items()]
     consts = {"D": dim, "G": heads, "KB": key_bits, "VB": value_bits, "RK": 1}
     consts |= {"RV": 1, "NKV": 8, "MASK": 0, "MB": 0, "WARPS": ck.WARPS, "NP": 1}
-    consts |= {"INC": 1, "WHOLE": int(whole)}
+    consts |= {"INC": 1, "WHOLE": int(whole), "KEPT": int(kept), "SKIP": int(kept)}
     lines = [f"constexpr int {k} = {v};" for k, v in consts.items()]
     return "\n".join(
         [
@@ -69,6 +72,8 @@ def kernel_source(dim, heads, key_bits, value_bits, whole):
             ck._header(),
             *lines,
             "typedef __half QT;",
+            "typedef __half HT;",
+            "typedef bool MT;",
             f'extern "C" __global__ void decode({", ".join(params)}) {{',
             source,
             "}",
@@ -135,8 +140,9 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--bits", type=int, nargs=2, default=[3, 3])
     parser.add_argument("--clamped", action="store_true", help="WHOLE = 0")
+    parser.add_argument("--kept", action="store_true", help="KEPT = SKIP = 1")
     opts = parser.parse_args()
-    code = kernel_source(opts.dim, opts.heads, *opts.bits, not opts.clamped)
+    code = kernel_source(opts.dim, opts.heads, *opts.bits, not opts.clamped, opts.kept)
     report, listing = sass(code)
     kept, hmmas = tile_instructions(listing)
     tiles = hmmas // (opts.dim // 8)  # an mma per 16 dims, keys and values

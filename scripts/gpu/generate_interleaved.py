@@ -14,8 +14,8 @@ gives). Scheme names as ``generate_speed.py`` (``4``, ``8,4``, ``codebook-3``,
 ``/h0``, ``/r0``, ...), plus ``/fill``: the cache filled with random normal
 keys and values instead of a prefill through the model (as
 ``codebook_step_profile.py`` fills them), then one prompt token; and
-``name@span``: the decode kernels' keys per block fixed at ``span`` during
-that scheme's turns (``codebook_step_profile.decode_span``).
+``name@span``: the decode kernels' keys per block fixed at ``span`` (128 or
+more) during that scheme's turns (``codebook_step_profile.decode_span``).
 
     python3 scripts/gpu/generate_interleaved.py --context 131072 \\
         --schemes 4 codebook-3 --out $OUT/interleaved.json
@@ -29,7 +29,7 @@ import statistics
 import time
 
 import mlx.core as mx
-from codebook_step_profile import decode_span
+from codebook_step_profile import decode_span, split_span
 from generate_speed import generation, make_cache, parse
 from mlx_lm.generate import reserve_quantized_cache
 
@@ -41,12 +41,10 @@ SKIPPED = 2  # steps of a turn not counted
 def split_name(name):
     """(the ``generate_speed.py`` scheme, whether ``/fill``, keys per block or
     0) of a scheme name here."""
-    base, _, span = name.partition("@")
+    base, span = split_span(name)
     options = base.split("/")
-    if span and not span.isdigit():
-        raise ValueError(f"{name!r}: the keys per block after @ must be a number")
     plain = "/".join(x for x in options if x != "fill")
-    return plain, "fill" in options, int(span or 0)
+    return plain, "fill" in options, span
 
 
 def fill(model, cache, context, tokens):
