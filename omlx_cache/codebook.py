@@ -664,10 +664,11 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     # array a launch takes costs the host, patch 0010)
     reserve = None
     n_held = 0
-    # The last held token while it is not yet in the buffer: the decode
-    # kernel writes it there (its output replaces the buffer), which saves a
-    # decode step two slice writes, two graph nodes per layer. False: written
-    # as it comes (to compare).
+    # The last held token, as the model made it, while it is not yet in the
+    # buffer: the decode kernel centers and weighs it and writes it there
+    # (its output replaces the buffer), which saves a decode step the slice
+    # writes and the transforms' ops, graph nodes a layer. False: written as
+    # it comes (to compare).
     incoming = None
     kernel_writes_held = True
 
@@ -681,7 +682,7 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
         """Write the incoming held token into the buffer."""
         if self.incoming is None:
             return
-        keys, values = self.incoming
+        keys, values = self._weighted(*self._center(*self.incoming))
         self.incoming = None
         n = self.n_held - 1
         self.held_keys[:, :, n : n + 1] = keys
@@ -861,17 +862,17 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
     ):
         self._flush_first_write(queries)
         sinks = self._center_sinks(queries, scale, sinks)
-        queries = self._scaled_queries(queries)
         codecs = (self.key_codec, self.value_codec)
         exact = self._exact()
-        out = None
-        # CUDA kernels where they apply (codebook_kernel), else MLX ops
+        # CUDA kernels where they apply (codebook_kernel), else MLX ops; the
+        # decode kernel weighs the queries and adds the value mean itself
+        decode = queries.shape[2] == 1
         held = None
         if self.n_held:
             held = (self.held_keys, self.held_values, self.n_held, self.incoming)
         length = self._length() - self.n_held
         result = codebook_kernel.attention(
-            queries,
+            queries if decode else self._scaled_queries(queries),
             self.key_pages,
             self.value_pages,
             *codecs,
@@ -881,25 +882,26 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
             length,
             held,
             exact,
+            (self.key_mean, self.value_mean, self.key_weights),
         )
         if result is not None:
             out, buffers = result
             if buffers is not None:
                 self.held_keys, self.held_values = buffers
                 self.incoming = None
-        if out is None:
-            self._flush_held()
-            out = codebook_scaled_dot_product_attention(
-                queries,
-                self.key_pages,
-                self.value_pages,
-                *codecs,
-                scale=scale,
-                mask=mask,
-                sinks=sinks,
-                length=self._length(),
-                exact=exact,
-            )
+            return out if decode else self._uncenter(out)
+        self._flush_held()
+        out = codebook_scaled_dot_product_attention(
+            self._scaled_queries(queries),
+            self.key_pages,
+            self.value_pages,
+            *codecs,
+            scale=scale,
+            mask=mask,
+            sinks=sinks,
+            length=self._length(),
+            exact=exact,
+        )
         return self._uncenter(out)
 
     def _set_state(
@@ -1059,7 +1061,6 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             # every decode step attends a held token, so the kernel compiles
             # once (a variant with none took seconds at the first flush)
             self._flush_held()
-        keys, values = self._weighted(*self._center(keys, values))
         self.n_held += 1
         self.offset += 1
         self.incoming = tuple(

@@ -370,19 +370,38 @@ _DECODE_SOURCE = """
         const auto mask_seq = mask + (MB ? (size_t)(bh / NKV) * mask_keys : 0);
         const int buffer = held_keys_shape[2];
         const size_t part = (size_t)bh * gridDim.x;
-        // INC: the last held token comes as new_keys / new_values; the
-        // buffer with it in place is an output (the cache's next buffer)
+        // INC: the last held token comes as new_keys / new_values, as the
+        // model made it: centered (CK, CV) and weighted (WK) here, rounded
+        // as the cache's MLX ops round; the buffer with it in place is an
+        // output (the cache's next buffer), and what the block reads
         const auto fresh_keys = new_keys + (size_t)bh * D;
         const auto fresh_values = new_values + (size_t)bh * D;
         if (INC) {
             const size_t base = (size_t)bh * buffer * D;
             for (int i = threadIdx.x; i < buffer * D; i += blockDim.x) {
-                const bool fresh = i / D == n_held - 1;
-                out_held_keys[base + i] = fresh ? fresh_keys[i % D] : held_keys[base + i];
-                out_held_values[base + i] = fresh ? fresh_values[i % D] : held_values[base + i];
+                const int d = i % D;
+                if (i / D == n_held - 1) {
+                    float k = static_cast<float>(fresh_keys[d]);
+                    float v = static_cast<float>(fresh_values[d]);
+                    if (CK) {
+                        k = static_cast<float>(static_cast<HT>(k - key_mean[bh * D + d]));
+                    }
+                    if (WK) {
+                        k = static_cast<float>(static_cast<HT>(k * key_weights[bh * D + d]));
+                    }
+                    if (CV) {
+                        v -= value_mean[bh * D + d];
+                    }
+                    out_held_keys[base + i] = static_cast<HT>(k);
+                    out_held_values[base + i] = static_cast<HT>(v);
+                } else {
+                    out_held_keys[base + i] = held_keys[base + i];
+                    out_held_values[base + i] = held_values[base + i];
+                }
             }
+            __syncthreads();
         }
-        const int kept_first = kept[2 * row_kept];
+        const int kept_first = KEPT ? kept[2 * row_kept] : 0;
         const int n_kept = KEPT ? kept[2 * row_kept + 1] : 0;
         const int kept_rows = kept_keys_shape[2];
         for (int g = warp; g < G; g += WARPS) {
@@ -394,6 +413,9 @@ _DECODE_SOURCE = """
             #pragma unroll
             for (int i = 0; i < D / 32; ++i) {
                 q[i] = static_cast<float>(q_src[i * 32 + lane]) * scale;
+                if (WK) {
+                    q[i] /= key_weights[bh * D + i * 32 + lane];
+                }
                 q_rot[i] = q[i];
                 acc[i] = 0.f;
                 acc_rot[i] = 0.f;
@@ -407,12 +429,11 @@ _DECODE_SOURCE = """
             }
             float m = neg_inf;
             float l = 0.f;
-            // count keys from rows (row k of this head at rows + k * D),
-            // the last one from last_row if given, at positions mask_at on:
-            // four at a time, their rows loaded before any is used, their
-            // weighted values into sum (the other accumulator rescaled too)
+            // count keys from rows (row k of this head at rows + k * D), at
+            // positions mask_at on: four at a time, their rows loaded before
+            // any is used, their weighted values into sum (the other
+            // accumulator rescaled too)
             auto attend = [&](const HT* rows, const HT* value_rows, int count,
-                              const HT* last_key, const HT* last_value,
                               const MT* mask_at, const float (&qv)[D / 32],
                               float (&sum)[D / 32], float (&other)[D / 32]) {
                 for (int k0 = 0; k0 < count; k0 += 4) {
@@ -421,9 +442,8 @@ _DECODE_SOURCE = """
                     #pragma unroll
                     for (int u = 0; u < 4; ++u) {
                         const int k = min(k0 + u, count - 1);
-                        const bool last = last_key != nullptr && k == count - 1;
-                        const auto key_row = last ? last_key : rows + (size_t)k * D;
-                        const auto value_row = last ? last_value : value_rows + (size_t)k * D;
+                        const auto key_row = rows + (size_t)k * D;
+                        const auto value_row = value_rows + (size_t)k * D;
                         #pragma unroll
                         for (int i = 0; i < D / 32; ++i) {
                             hk[u][i] = static_cast<float>(key_row[i * 32 + lane]);
@@ -474,11 +494,11 @@ _DECODE_SOURCE = """
             if (KEPT) {
                 const size_t kept_base = (size_t)bh * kept_rows * D;
                 attend(kept_keys + kept_base, kept_values + kept_base, n_kept,
-                       nullptr, nullptr, mask_seq + kept_first, q_rot, acc_rot, acc);
+                       mask_seq + kept_first, q_rot, acc_rot, acc);
             }
             const size_t held_base = (size_t)bh * buffer * D;
-            attend(held_keys + held_base, held_values + held_base, n_held,
-                   INC ? fresh_keys : nullptr, INC ? fresh_values : nullptr,
+            attend((INC ? out_held_keys : held_keys) + held_base,
+                   (INC ? out_held_values : held_values) + held_base, n_held,
                    mask_seq + stored, q, acc, acc_rot);
             if (RV) {
                 fwht_warp<D / 32>(acc, lane);
@@ -523,6 +543,9 @@ _DECODE_SOURCE = """
         #pragma unroll
         for (int i = 0; i < D / 32; ++i) {
             v[i] = static_cast<float>(q_src[i * 32 + lane]);
+            if (WK) {
+                v[i] /= key_weights[bh * D + i * 32 + lane];
+            }
         }
         float r = scale;
         if (RK) {
@@ -952,9 +975,12 @@ _COMBINE_SOURCE = """
         fwht_warp<E>(out_row, lane);
         norm *= 1.f / sqrtf((float)D);
     }
+    // CV: the values' mean back (rounded as the cache's MLX ops round)
     #pragma unroll
     for (int e = 0; e < E; ++e) {
-        out[(size_t)rg * D + e * 32 + lane] = static_cast<O>(out_row[e] * norm);
+        const float o = static_cast<float>(static_cast<O>(out_row[e] * norm));
+        const float mean = CV ? value_mean[(size_t)r * D + e * 32 + lane] : 0.f;
+        out[(size_t)rg * D + e * 32 + lane] = static_cast<O>(o + mean);
     }
 """
 
@@ -990,17 +1016,35 @@ def _page_pointers(n_pages):
     return "\n    ".join(lines)
 
 
+# the decode kernel's inputs for kept tokens, centering and key weights, and
+# their stand-ins where a cache has none (each input a launch takes costs the
+# host: a decode step of a plain cache takes none of them)
+_DECODE_EXTRAS = ["kept_keys", "kept_values", "kept", "key_mean", "value_mean"]
+_DECODE_EXTRAS += ["key_weights"]
+_NO_DECODE_EXTRAS = """
+    const HT* kept_keys = nullptr;
+    const HT* kept_values = nullptr;
+    const int* kept = nullptr;
+    constexpr int kept_shape[1] = {1};
+    constexpr int kept_keys_shape[4] = {1, 1, 1, 1};
+    const float* key_mean = nullptr;
+    const float* value_mean = nullptr;
+    const float* key_weights = nullptr;
+"""
+
+
 @functools.cache
-def _decode_kernel(n_pages):
+def _decode_kernel(n_pages, extras):
     inputs = ["queries"]
     inputs += [f"{part}_{i}" for i in range(n_pages) for part in _PAGE_PARTS]
+    inputs += ["meta", "mask", "held_keys", "held_values", "held_count"]
+    inputs += ["new_keys", "new_values"]
+    source = _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages))
     return _kernel(
-        f"codebook_sdpa_decode_{n_pages}",
-        inputs
-        + ["meta", "mask", "held_keys", "held_values", "held_count"]
-        + ["new_keys", "new_values", "kept_keys", "kept_values", "kept"],
+        f"codebook_sdpa_decode_{n_pages}" + ("_x" if extras else ""),
+        inputs + (_DECODE_EXTRAS if extras else []),
         ["out_values", "out_max", "out_sum", "out_held_keys", "out_held_values"],
-        _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages)),
+        source if extras else _NO_DECODE_EXTRAS + source,
     )
 
 
@@ -1195,22 +1239,33 @@ def prefill_attention(
     )
 
 
-def _combine(values, maxes, sums, dtype, shape, rotate_back):
+def _combine(values, maxes, sums, dtype, shape, rotate_back, value_mean=None):
     rows, _, G, D = values.shape
-    kernel = _kernel(
-        "codebook_sdpa_combine",
-        ["part_values", "part_max", "part_sum"],
-        ["out"],
-        _COMBINE_SOURCE,
-    )
+    inputs = [values, maxes, sums]
+    if value_mean is None:
+        kernel = _kernel(
+            "codebook_sdpa_combine",
+            ["part_values", "part_max", "part_sum"],
+            ["out"],
+            "    const float* value_mean = nullptr;\n" + _COMBINE_SOURCE,
+        )
+    else:
+        kernel = _kernel(
+            "codebook_sdpa_combine_mean",
+            ["part_values", "part_max", "part_sum", "value_mean"],
+            ["out"],
+            _COMBINE_SOURCE,
+        )
+        inputs.append(value_mean)
     return kernel(
-        inputs=[values, maxes, sums],
+        inputs=inputs,
         template=[
             ("G", G),
             ("D", D),
             ("O", dtype),
             ("CW", COMBINE_WARPS),
             ("RV", rotate_back),
+            ("CV", value_mean is not None),
         ],
         grid=(rows * G * COMBINE_WARPS * 32, 1, 1),
         threadgroup=(COMBINE_WARPS * 32, 1, 1),
@@ -1240,6 +1295,11 @@ def _held_count(n):
 @functools.cache
 def _no_held(dtype):
     return mx.zeros((1, 1, 1, 1), dtype=dtype)
+
+
+@functools.cache
+def _no_transform():
+    return mx.zeros((1, 1, 1, 1), dtype=mx.float32)
 
 
 @functools.cache
@@ -1274,6 +1334,7 @@ def decode_attention(
     length,
     held=None,
     kept=None,
+    transforms=(None, None, None),
 ):
     """Attention of one query token per sequence over the first ``length``
     keys and values of the pages, then the ``held`` ones if given (keys and
@@ -1283,9 +1344,13 @@ def decode_attention(
     None; ``applies`` says which calls). ``kept``: the cache's first tokens
     kept unquantized (keys and values as stored, rotated like the pages, the
     position of each sequence's first token, an int or a (B,) array, and how
-    many), read instead of their copies in the pages. Returns the output and,
-    where a last held token was given, the buffer with it in place (else
-    None)."""
+    many), read instead of their copies in the pages. ``transforms``: the
+    cache's float32 key mean, value mean and key weights (each (B,
+    n_kv_heads, 1, D) or None): the queries are divided by the weights, the
+    incoming held token centered and weighted and the output gets the value
+    mean back, as the cache's MLX ops do (``omlx_cache.center``). Returns the
+    output and, where a last held token was given, the buffer with it in
+    place (else None)."""
     B, n_q_heads, _, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]
     G = n_q_heads // n_kv_heads
@@ -1322,6 +1387,12 @@ def decode_attention(
         mask = qd._no_mask()
     whole = all(size % 16 == 0 for size in sizes)
     kept_keys, kept_values, kept_span = _kept_inputs(kept, held_keys.dtype)
+    key_mean, value_mean, key_weights = transforms
+    extras = kept is not None or any(x is not None for x in transforms)
+    extra_inputs = []
+    if extras:
+        extra_inputs = [kept_keys, kept_values, kept_span]
+        extra_inputs += [_no_transform() if x is None else x for x in transforms]
     values, maxes, sums, buffers = [], [], [], None
     for first in range(0, len(sizes), MAX_PAGES):
         pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
@@ -1344,9 +1415,9 @@ def decode_attention(
             inputs += [*key_pages[p], *value_pages[p]]
         inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
         inputs += fresh or [_no_held(held_keys.dtype)] * 2
-        inputs += [kept_keys, kept_values, kept_span]
+        inputs += extra_inputs
         no_buffer = (1, 1, 1, 1)
-        v, m, s, *held_out = _decode_kernel(n_slots)(
+        v, m, s, *held_out = _decode_kernel(n_slots, extras)(
             inputs=inputs,
             template=[
                 *template,
@@ -1355,6 +1426,9 @@ def decode_attention(
                 ("WHOLE", whole),
                 ("KEPT", launch_kept),
                 ("SKIP", kept is not None),
+                ("CK", key_mean is not None),
+                ("CV", value_mean is not None),
+                ("WK", key_weights is not None),
             ],
             grid=(n_blocks * 32 * WARPS, rows, 1),
             threadgroup=(32 * WARPS, 1, 1),
@@ -1385,6 +1459,7 @@ def decode_attention(
         queries.dtype,
         (B, n_q_heads, 1, D),
         rotates_values,
+        value_mean,
     )
     return out, buffers
 
@@ -1401,10 +1476,13 @@ def attention(
     length,
     held=None,
     kept=None,
+    transforms=(None, None, None),
 ):
     """The kernels' attention over a codebook cache's pages (the first
     ``length`` tokens, then the ``held`` ones, the ``kept`` first tokens in
-    place of their copies, as in ``decode_attention``): the output and the
+    place of their copies, as in ``decode_attention``, whose ``transforms``
+    a decode call takes; more queries come divided by the key weights and
+    their output is returned without the value mean): the output and the
     held buffer with its incoming token in place (or None), or None where
     they do not apply (the caller takes the MLX-ops path)."""
     codecs = (key_codec, value_codec)
@@ -1415,7 +1493,7 @@ def attention(
         return None
     args = (queries, key_pages, value_pages, *codecs, scale, mask, length)
     if queries.shape[2] == 1:
-        return decode_attention(*args, held=held, kept=kept)
+        return decode_attention(*args, held=held, kept=kept, transforms=transforms)
     out = prefill_attention(*args, kept=kept)
     if out is None:
         return None

@@ -320,8 +320,9 @@ def test_encode_and_dequantize_kernels(bits, dim, rotation):
         ((3, 3), (32, 8), 128, 2100, 1000, "", {}),
         # kept first tokens, read unquantized by the decode kernel's first
         # block (their copies in the pages masked) and put in place of their
-        # decoded copies in prefill; with key weights
-        ((3, 3), (32, 8), 128, 2100, 4096, "kv", {"keep_exact": 16}),
+        # decoded copies in prefill; with key weights (the decode kernel
+        # weighs the queries and the incoming token, and adds the value mean)
+        ((3, 3), (32, 8), 128, 2100, 4096, "kv", {"keep_exact": 16, "key_scale": "qk"}),
         ((4, 3), (9, 3), 64, 777, 256, "k", {"keep_exact": 5, "key_scale": "q"}),
         # kept tokens in the first of 33 pages: two decode launches
         ((3, 3), (8, 2), 64, 4200, 128, "", {"keep_exact": 4}),

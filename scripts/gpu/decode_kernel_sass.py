@@ -39,6 +39,9 @@ TYPES = {
     "kept_keys": "__half",
     "kept_values": "__half",
     "kept": "int32_t",
+    "key_mean": "float",
+    "value_mean": "float",
+    "key_weights": "float",
 }
 OUTPUTS = {
     "out_values": "float",
@@ -50,11 +53,14 @@ OUTPUTS = {
 LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*)")
 
 
-def kernel_source(dim, heads, key_bits, value_bits, whole, kept=False):
+def kernel_source(dim, heads, key_bits, value_bits, whole, extras=False):
     source = ck._DECODE_SOURCE.replace("PAGE_POINTERS", ck._page_pointers(1))
+    if not extras:
+        source = ck._NO_DECODE_EXTRAS + source
     inputs = ["queries", *(f"{part}_0" for part in ck._PAGE_PARTS)]
     inputs += ["meta", "mask", "held_keys", "held_values", "held_count"]
-    inputs += ["new_keys", "new_values", "kept_keys", "kept_values", "kept"]
+    inputs += ["new_keys", "new_values"]
+    inputs += ck._DECODE_EXTRAS if extras else []
     params = []
     for name in inputs:
         params.append(f"const {TYPES.get(name, 'uint32_t')}* __restrict__ {name}")
@@ -63,7 +69,9 @@ def kernel_source(dim, heads, key_bits, value_bits, whole, kept=False):
     params += [f"{t}* __restrict__ {name}" for name, t in OUTPUTS.items()]
     consts = {"D": dim, "G": heads, "KB": key_bits, "VB": value_bits, "RK": 1}
     consts |= {"RV": 1, "NKV": 8, "MASK": 0, "MB": 0, "WARPS": ck.WARPS, "NP": 1}
-    consts |= {"INC": 1, "WHOLE": int(whole), "KEPT": int(kept), "SKIP": int(kept)}
+    flags = int(extras)
+    consts |= {"INC": 1, "WHOLE": int(whole), "KEPT": flags, "SKIP": flags}
+    consts |= {"CK": flags, "CV": flags, "WK": flags}
     lines = [f"constexpr int {k} = {v};" for k, v in consts.items()]
     return "\n".join(
         [
@@ -140,9 +148,15 @@ def main():
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--bits", type=int, nargs=2, default=[3, 3])
     parser.add_argument("--clamped", action="store_true", help="WHOLE = 0")
-    parser.add_argument("--kept", action="store_true", help="KEPT = SKIP = 1")
+    parser.add_argument(
+        "--extras",
+        action="store_true",
+        help="the kernel for kept tokens, centering and key weights, all on",
+    )
     opts = parser.parse_args()
-    code = kernel_source(opts.dim, opts.heads, *opts.bits, not opts.clamped, opts.kept)
+    code = kernel_source(
+        opts.dim, opts.heads, *opts.bits, not opts.clamped, opts.extras
+    )
     report, listing = sass(code)
     kept, hmmas = tile_instructions(listing)
     tiles = hmmas // (opts.dim // 8)  # an mma per 16 dims, keys and values
