@@ -17,6 +17,7 @@ from kv_helpers import relative_error
 
 from omlx_cache import codebook_kernel
 from omlx_cache.codebook import (
+    BatchCodebookKVCache,
     Codebook,
     CodebookKVCache,
     lloyd_max,
@@ -375,6 +376,27 @@ def test_batched_decode_kernel_with_left_padding():
             q, cache.key_pages, cache.value_pages, 0.1, m
         )
         assert relative_error(out, ref) < 5e-3
+
+
+@cuda_only
+def test_batched_decode_kernel_with_kept_tokens():
+    """Each left-padded sequence keeps its first tokens after its padding:
+    the decode kernel reads each sequence's own, as the ops path does."""
+    mx.random.seed(7)
+    padding = [0, 100, 777]
+    cache = BatchCodebookKVCache(padding, 3, center="kv", keep_exact=8)
+    k = mx.random.normal((3, 8, 1500, 128)).astype(mx.float16)
+    cache.update_and_fetch(k, k * 0.5)
+    token = mx.random.normal((3, 8, 1, 128)).astype(mx.float16)
+    kv = cache.update_and_fetch(token, token)
+    mask = (mx.arange(1501)[None] >= mx.array(padding)[:, None])[:, None, None, :]
+    q = mx.random.normal((3, 32, 1, 128)).astype(mx.float16)
+    codecs = (cache.key_codec, cache.value_codec)
+    assert codebook_kernel.applies(q, *kv, *codecs, mask, None, 1501)
+    out = cache.scaled_dot_product_attention(q, *kv, 0.1, mask)
+    with codebook_kernel.disabled():
+        ref = cache.scaled_dot_product_attention(q, *kv, 0.1, mask)
+    assert relative_error(out, ref) < 5e-3
 
 
 def test_decode_buffer_with_weighted_keys_and_kept_tokens():
