@@ -867,12 +867,13 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
         # CUDA kernels where they apply (codebook_kernel), else MLX ops; the
         # decode kernel weighs the queries and adds the value mean itself
         decode = queries.shape[2] == 1
+        scaled = None if decode else self._scaled_queries(queries)
         held = None
         if self.n_held:
             held = (self.held_keys, self.held_values, self.n_held, self.incoming)
         length = self._length() - self.n_held
         result = codebook_kernel.attention(
-            queries if decode else self._scaled_queries(queries),
+            queries if decode else scaled,
             self.key_pages,
             self.value_pages,
             *codecs,
@@ -892,7 +893,7 @@ class _CodebookKV(_Centering, _KeyWeighting, _PagedKV):
             return out if decode else self._uncenter(out)
         self._flush_held()
         out = codebook_scaled_dot_product_attention(
-            self._scaled_queries(queries),
+            self._scaled_queries(queries) if scaled is None else scaled,
             self.key_pages,
             self.value_pages,
             *codecs,

@@ -1241,24 +1241,17 @@ def prefill_attention(
 
 def _combine(values, maxes, sums, dtype, shape, rotate_back, value_mean=None):
     rows, _, G, D = values.shape
-    inputs = [values, maxes, sums]
-    if value_mean is None:
-        kernel = _kernel(
-            "codebook_sdpa_combine",
-            ["part_values", "part_max", "part_sum"],
-            ["out"],
-            "    const float* value_mean = nullptr;\n" + _COMBINE_SOURCE,
-        )
-    else:
-        kernel = _kernel(
-            "codebook_sdpa_combine_mean",
-            ["part_values", "part_max", "part_sum", "value_mean"],
-            ["out"],
-            _COMBINE_SOURCE,
-        )
-        inputs.append(value_mean)
+    # the values' mean only where a cache has one (as the decode kernel's
+    # extras), else a stand-in the code never reads
+    mean = [] if value_mean is None else [value_mean]
+    kernel = _kernel(
+        "codebook_sdpa_combine" + ("_mean" if mean else ""),
+        ["part_values", "part_max", "part_sum"] + (["value_mean"] if mean else []),
+        ["out"],
+        ("" if mean else "    const float* value_mean = nullptr;\n") + _COMBINE_SOURCE,
+    )
     return kernel(
-        inputs=inputs,
+        inputs=[values, maxes, sums, *mean],
         template=[
             ("G", G),
             ("D", D),
@@ -1293,13 +1286,9 @@ def _held_count(n):
 
 
 @functools.cache
-def _no_held(dtype):
+def _stand_in(dtype):
+    """An input the launch does not read (no held tokens, no key mean...)."""
     return mx.zeros((1, 1, 1, 1), dtype=dtype)
-
-
-@functools.cache
-def _no_transform():
-    return mx.zeros((1, 1, 1, 1), dtype=mx.float32)
 
 
 @functools.cache
@@ -1313,7 +1302,7 @@ def _kept_inputs(kept, dtype):
     """The kept tokens as the decode kernel reads them: keys and values in
     the held tokens' ``dtype`` and (first, count) per sequence."""
     if kept is None:
-        return _no_held(dtype), _no_held(dtype), _kept_span(0, 0)
+        return _stand_in(dtype), _stand_in(dtype), _kept_span(0, 0)
     keys, values, first, count = kept
     if isinstance(first, int):
         span = _kept_span(first, count)
@@ -1363,8 +1352,8 @@ def decode_attention(
         sizes.append(page[0].shape[2])
         stored += sizes[-1]
     held_keys, held_values, n_held, incoming = held or (
-        _no_held(queries.dtype),
-        _no_held(queries.dtype),
+        _stand_in(queries.dtype),
+        _stand_in(queries.dtype),
         0,
         None,
     )
@@ -1386,13 +1375,12 @@ def decode_attention(
     if mask is None or isinstance(mask, str):
         mask = qd._no_mask()
     whole = all(size % 16 == 0 for size in sizes)
-    kept_keys, kept_values, kept_span = _kept_inputs(kept, held_keys.dtype)
     key_mean, value_mean, key_weights = transforms
     extras = kept is not None or any(x is not None for x in transforms)
     extra_inputs = []
     if extras:
-        extra_inputs = [kept_keys, kept_values, kept_span]
-        extra_inputs += [_no_transform() if x is None else x for x in transforms]
+        extra_inputs = list(_kept_inputs(kept, held_keys.dtype))
+        extra_inputs += [_stand_in(mx.float32) if x is None else x for x in transforms]
     values, maxes, sums, buffers = [], [], [], None
     for first in range(0, len(sizes), MAX_PAGES):
         pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
@@ -1414,7 +1402,7 @@ def decode_attention(
         for p in pages:
             inputs += [*key_pages[p], *value_pages[p]]
         inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
-        inputs += fresh or [_no_held(held_keys.dtype)] * 2
+        inputs += fresh or [_stand_in(held_keys.dtype)] * 2
         inputs += extra_inputs
         no_buffer = (1, 1, 1, 1)
         v, m, s, *held_out = _decode_kernel(n_slots, extras)(

@@ -25,7 +25,8 @@ decode step (all layers), median over the steps:
   time (building the graph, then launching it) is most of the step.
 
 A scheme written ``name@span`` runs with the decode kernels' keys per block
-fixed at ``span`` (at least 128) (patch 0011's layout, shared by the codebook kernel).
+fixed at ``span``, 128 or more (patch 0011's layout, shared by the codebook
+kernel).
 
 The kernels run on CUDA (``codebook_kernel``, patch 0011); elsewhere the
 MLX-ops paths (useful only to check the script):
