@@ -1006,6 +1006,52 @@ def _kernel(name, inputs, outputs, source):
     return _kernels[name]
 
 
+_CUDA_TYPES = {
+    mx.bool_: "bool",
+    mx.int32: "int32_t",
+    mx.uint32: "uint32_t",
+    mx.float16: "__half",
+    mx.bfloat16: "__nv_bfloat16",
+    mx.float32: "float",
+}
+
+
+def _constants(template) -> str:
+    """Template arguments as the lines MLX writes for them."""
+    lines = []
+    for name, value in template:
+        if isinstance(value, bool):
+            lines.append(f"constexpr bool {name} = {str(value).lower()};")
+        elif isinstance(value, int):
+            lines.append(f"constexpr int {name} = {value};")
+        else:
+            lines.append(f"using {name} = {_CUDA_TYPES[value]};")
+    return "\n".join(lines) + "\n"
+
+
+def _compact(source: str) -> str:
+    """``source`` without comments, indentation and blank lines."""
+    lines = (line.split("//")[0].strip() for line in source.splitlines())
+    return "\n".join(line for line in lines if line)
+
+
+@functools.cache
+def _specialized(name, inputs, outputs, source, template):
+    """A kernel made for one ``template`` (a tuple of template arguments) and
+    launched with none. MLX formats a call's template arguments into the
+    kernel's source and copies the source on every call: host time that a
+    decode step pays twice a layer, less with no arguments and a compacted
+    source."""
+    body = _compact(_constants(template) + source)
+    return mx.fast.cuda_kernel(
+        name=_compiled_name(name, body),
+        input_names=list(inputs),
+        output_names=list(outputs),
+        source=body,
+        header=_header(),
+    )
+
+
 def _page_pointers(n_pages):
     lines = []
     for part in _PAGE_PARTS:
@@ -1035,15 +1081,17 @@ _NO_DECODE_EXTRAS = """
 
 @functools.cache
 def _decode_kernel(n_pages, extras):
+    """The decode kernel's name, inputs, outputs and source (``_specialized``
+    makes it per template)."""
     inputs = ["queries"]
     inputs += [f"{part}_{i}" for i in range(n_pages) for part in _PAGE_PARTS]
     inputs += ["meta", "mask", "held_keys", "held_values", "held_count"]
     inputs += ["new_keys", "new_values"]
     source = _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages))
-    return _kernel(
+    return (
         f"codebook_sdpa_decode_{n_pages}" + ("_x" if extras else ""),
-        inputs + (_DECODE_EXTRAS if extras else []),
-        ["out_values", "out_max", "out_sum", "out_held_keys", "out_held_values"],
+        tuple(inputs + (_DECODE_EXTRAS if extras else [])),
+        ("out_values", "out_max", "out_sum", "out_held_keys", "out_held_values"),
         source if extras else _NO_DECODE_EXTRAS + source,
     )
 
@@ -1239,27 +1287,33 @@ def prefill_attention(
     )
 
 
-def _combine(values, maxes, sums, dtype, shape, rotate_back, value_mean=None):
-    rows, _, G, D = values.shape
-    # the values' mean only where a cache has one (as the decode kernel's
-    # extras), else a stand-in the code never reads
-    mean = [] if value_mean is None else [value_mean]
-    kernel = _kernel(
+# the combine kernel's name, inputs, outputs and source without and with the
+# values' mean (a stand-in the code never reads where a cache has none)
+_COMBINE_KERNELS = {
+    mean: (
         "codebook_sdpa_combine" + ("_mean" if mean else ""),
-        ["part_values", "part_max", "part_sum"] + (["value_mean"] if mean else []),
-        ["out"],
+        ("part_values", "part_max", "part_sum") + (("value_mean",) if mean else ()),
+        ("out",),
         ("" if mean else "    const float* value_mean = nullptr;\n") + _COMBINE_SOURCE,
     )
+    for mean in (False, True)
+}
+
+
+def _combine(values, maxes, sums, dtype, shape, rotate_back, value_mean=None):
+    rows, _, G, D = values.shape
+    mean = [] if value_mean is None else [value_mean]
+    template = (
+        ("G", G),
+        ("D", D),
+        ("O", dtype),
+        ("CW", COMBINE_WARPS),
+        ("RV", rotate_back),
+        ("CV", value_mean is not None),
+    )
+    kernel = _specialized(*_COMBINE_KERNELS[bool(mean)], template)
     return kernel(
         inputs=[values, maxes, sums, *mean],
-        template=[
-            ("G", G),
-            ("D", D),
-            ("O", dtype),
-            ("CW", COMBINE_WARPS),
-            ("RV", rotate_back),
-            ("CV", value_mean is not None),
-        ],
         grid=(rows * G * COMBINE_WARPS * 32, 1, 1),
         threadgroup=(COMBINE_WARPS * 32, 1, 1),
         output_shapes=[shape],
@@ -1405,19 +1459,19 @@ def decode_attention(
         inputs += fresh or [_stand_in(held_keys.dtype)] * 2
         inputs += extra_inputs
         no_buffer = (1, 1, 1, 1)
-        v, m, s, *held_out = _decode_kernel(n_slots, extras)(
+        launch = (
+            ("NP", n_slots),
+            ("INC", fresh is not None),
+            ("WHOLE", whole),
+            ("KEPT", launch_kept),
+            ("SKIP", kept is not None),
+            ("CK", key_mean is not None),
+            ("CV", value_mean is not None),
+            ("WK", key_weights is not None),
+        )
+        kernel = _specialized(*_decode_kernel(n_slots, extras), template + launch)
+        v, m, s, *held_out = kernel(
             inputs=inputs,
-            template=[
-                *template,
-                ("NP", n_slots),
-                ("INC", fresh is not None),
-                ("WHOLE", whole),
-                ("KEPT", launch_kept),
-                ("SKIP", kept is not None),
-                ("CK", key_mean is not None),
-                ("CV", value_mean is not None),
-                ("WK", key_weights is not None),
-            ],
             grid=(n_blocks * 32 * WARPS, rows, 1),
             threadgroup=(32 * WARPS, 1, 1),
             output_shapes=[

@@ -208,6 +208,25 @@ def test_kernel_names_carry_their_code():
     )
 
 
+def test_kernels_made_per_template_declare_what_mlx_would():
+    # the decode and combine kernels are made per template and launched with
+    # none: their source declares the arguments as MLX's template would, and
+    # drops comments (copied on every call) but no code
+    template = (("D", 128), ("MB", False), ("RK", True), ("QT", mx.bfloat16))
+    lines = codebook_kernel._constants(template).splitlines()
+    assert lines == [
+        "constexpr int D = 128;",
+        "constexpr bool MB = false;",
+        "constexpr bool RK = true;",
+        "using QT = __nv_bfloat16;",
+    ]
+    _, _, _, source = codebook_kernel._decode_kernel(1, False)
+    compact = codebook_kernel._compact(source)
+    assert "//" not in compact and len(compact) < 0.7 * len(source)
+    code = [line.split("//")[0].split() for line in source.splitlines()]
+    assert [w for words in code for w in words] == compact.split()
+
+
 @pytest.mark.parametrize("center", ["", "kv"])
 def test_decode_buffer_changes_nothing_but_when_tokens_are_encoded(center):
     """Held decode tokens (forced on here; on CUDA by default) are encoded

@@ -54,36 +54,28 @@ LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*
 
 
 def kernel_source(dim, heads, key_bits, value_bits, whole, extras=False):
-    source = ck._DECODE_SOURCE.replace("PAGE_POINTERS", ck._page_pointers(1))
-    if not extras:
-        source = ck._NO_DECODE_EXTRAS + source
-    inputs = ["queries", *(f"{part}_0" for part in ck._PAGE_PARTS)]
-    inputs += ["meta", "mask", "held_keys", "held_values", "held_count"]
-    inputs += ["new_keys", "new_values"]
-    inputs += ck._DECODE_EXTRAS if extras else []
+    """The kernel as MLX compiles it: ``codebook_kernel``'s body for one
+    template (``_specialized``) in a ``__global__`` function."""
+    _, inputs, outputs, source = ck._decode_kernel(1, extras)
     params = []
     for name in inputs:
         params.append(f"const {TYPES.get(name, 'uint32_t')}* __restrict__ {name}")
         if f"{name}_shape" in source:
             params.append(f"const int32_t* {name}_shape")
-    params += [f"{t}* __restrict__ {name}" for name, t in OUTPUTS.items()]
-    consts = {"D": dim, "G": heads, "KB": key_bits, "VB": value_bits, "RK": 1}
-    consts |= {"RV": 1, "NKV": 8, "MASK": 0, "MB": 0, "WARPS": ck.WARPS, "NP": 1}
-    flags = int(extras)
-    consts |= {"INC": 1, "WHOLE": int(whole), "KEPT": flags, "SKIP": flags}
-    consts |= {"CK": flags, "CV": flags, "WK": flags}
-    lines = [f"constexpr int {k} = {v};" for k, v in consts.items()]
+    params += [f"{OUTPUTS[name]}* __restrict__ {name}" for name in outputs]
+    flags = bool(extras)
+    half = ck.mx.float16
+    shape = (dim, heads, key_bits, value_bits, True, True, 8, 0, False)
+    template = ck._template(*shape, half, ck.mx.bool_, half)
+    template += (("NP", 1), ("INC", True), ("WHOLE", bool(whole)), ("KEPT", flags))
+    template += (("SKIP", flags), ("CK", flags), ("CV", flags), ("WK", flags))
     return "\n".join(
         [
             "#include <cuda_fp16.h>",
             "#include <cstdint>",
             ck._header(),
-            *lines,
-            "typedef __half QT;",
-            "typedef __half HT;",
-            "typedef bool MT;",
             f'extern "C" __global__ void decode({", ".join(params)}) {{',
-            source,
+            ck._compact(ck._constants(template) + source),
             "}",
         ]
     )
