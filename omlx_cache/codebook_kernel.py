@@ -1006,52 +1006,6 @@ def _kernel(name, inputs, outputs, source):
     return _kernels[name]
 
 
-_CUDA_TYPES = {
-    mx.bool_: "bool",
-    mx.int32: "int32_t",
-    mx.uint32: "uint32_t",
-    mx.float16: "__half",
-    mx.bfloat16: "__nv_bfloat16",
-    mx.float32: "float",
-}
-
-
-def _constants(template) -> str:
-    """Template arguments as the lines MLX writes for them."""
-    lines = []
-    for name, value in template:
-        if isinstance(value, bool):
-            lines.append(f"constexpr bool {name} = {str(value).lower()};")
-        elif isinstance(value, int):
-            lines.append(f"constexpr int {name} = {value};")
-        else:
-            lines.append(f"using {name} = {_CUDA_TYPES[value]};")
-    return "\n".join(lines) + "\n"
-
-
-def _compact(source: str) -> str:
-    """``source`` without comments, indentation and blank lines."""
-    lines = (line.split("//")[0].strip() for line in source.splitlines())
-    return "\n".join(line for line in lines if line)
-
-
-@functools.cache
-def _specialized(name, inputs, outputs, source, template):
-    """A kernel made for one ``template`` (a tuple of template arguments) and
-    launched with none. MLX formats a call's template arguments into the
-    kernel's source and copies the source on every call: host time that a
-    decode step pays twice a layer, less with no arguments and a compacted
-    source."""
-    body = _compact(_constants(template) + source)
-    return mx.fast.cuda_kernel(
-        name=_compiled_name(name, body),
-        input_names=list(inputs),
-        output_names=list(outputs),
-        source=body,
-        header=_header(),
-    )
-
-
 def _page_pointers(n_pages):
     lines = []
     for part in _PAGE_PARTS:
@@ -1081,8 +1035,8 @@ _NO_DECODE_EXTRAS = """
 
 @functools.cache
 def _decode_kernel(n_pages, extras):
-    """The decode kernel's name, inputs, outputs and source (``_specialized``
-    makes it per template)."""
+    """The decode kernel's name, inputs, outputs and source (made per
+    template by ``quantized_decode.specialized_kernel``, patch 0023)."""
     inputs = ["queries"]
     inputs += [f"{part}_{i}" for i in range(n_pages) for part in _PAGE_PARTS]
     inputs += ["meta", "mask", "held_keys", "held_values", "held_count"]
@@ -1311,7 +1265,7 @@ def _combine(values, maxes, sums, dtype, shape, rotate_back, value_mean=None):
         ("RV", rotate_back),
         ("CV", value_mean is not None),
     )
-    kernel = _specialized(*_COMBINE_KERNELS[bool(mean)], template)
+    kernel = qd.specialized_kernel(*_COMBINE_KERNELS[bool(mean)], template, _header())
     return kernel(
         inputs=[values, maxes, sums, *mean],
         grid=(rows * G * COMBINE_WARPS * 32, 1, 1),
@@ -1469,7 +1423,8 @@ def decode_attention(
             ("CV", value_mean is not None),
             ("WK", key_weights is not None),
         )
-        kernel = _specialized(*_decode_kernel(n_slots, extras), template + launch)
+        spec = _decode_kernel(n_slots, extras)
+        kernel = qd.specialized_kernel(*spec, template + launch, _header())
         v, m, s, *held_out = kernel(
             inputs=inputs,
             grid=(n_blocks * 32 * WARPS, rows, 1),

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from kv_helpers import relative_error
+from mlx_lm.models import quantized_decode as qd
 
 from omlx_cache import codebook_kernel
 from omlx_cache.codebook import (
@@ -208,23 +209,15 @@ def test_kernel_names_carry_their_code():
     )
 
 
-def test_kernels_made_per_template_declare_what_mlx_would():
-    # the decode and combine kernels are made per template and launched with
-    # none: their source declares the arguments as MLX's template would, and
-    # drops comments (copied on every call) but no code
-    template = (("D", 128), ("MB", False), ("RK", True), ("QT", mx.bfloat16))
-    lines = codebook_kernel._constants(template).splitlines()
-    assert lines == [
-        "constexpr int D = 128;",
-        "constexpr bool MB = false;",
-        "constexpr bool RK = true;",
-        "using QT = __nv_bfloat16;",
-    ]
-    _, _, _, source = codebook_kernel._decode_kernel(1, False)
-    compact = codebook_kernel._compact(source)
-    assert "//" not in compact and len(compact) < 0.7 * len(source)
-    code = [line.split("//")[0].split() for line in source.splitlines()]
-    assert [w for words in code for w in words] == compact.split()
+def test_kernel_sources_compact_without_losing_code():
+    # the decode and combine kernels are made per template with their source
+    # compacted (patch 0023): comments go, no code does
+    _, _, _, decode = codebook_kernel._decode_kernel(1, True)
+    for source in (decode, codebook_kernel._COMBINE_SOURCE):
+        compact = qd._compact(source)
+        assert "//" not in compact and len(compact) < 0.8 * len(source)
+        code = [line.split("//")[0].split() for line in source.splitlines()]
+        assert [w for words in code for w in words] == compact.split()
 
 
 @pytest.mark.parametrize("center", ["", "kv"])

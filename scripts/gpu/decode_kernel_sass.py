@@ -24,6 +24,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 from omlx_cache import codebook_kernel as ck
+from omlx_cache.codebook_kernel import qd
 
 TYPES = {
     "queries": "__half",
@@ -55,7 +56,8 @@ LINE = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_.]+)([^;]*
 
 def kernel_source(dim, heads, key_bits, value_bits, whole, extras=False):
     """The kernel as MLX compiles it: ``codebook_kernel``'s body for one
-    template (``_specialized``) in a ``__global__`` function."""
+    template (``quantized_decode.specialized_kernel``) in a ``__global__``
+    function."""
     _, inputs, outputs, source = ck._decode_kernel(1, extras)
     params = []
     for name in inputs:
@@ -75,7 +77,7 @@ def kernel_source(dim, heads, key_bits, value_bits, whole, extras=False):
             "#include <cstdint>",
             ck._header(),
             f'extern "C" __global__ void decode({", ".join(params)}) {{',
-            ck._compact(ck._constants(template) + source),
+            qd._compact(qd._constants(template) + source),
             "}",
         ]
     )
