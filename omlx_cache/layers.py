@@ -27,13 +27,21 @@ from . import eval as kv_eval
 from . import schemes as kv_schemes
 
 
-def layer_errors(model, windows, scheme: kv_schemes.Scheme, chunk: int = 128):
+def layer_errors(
+    model, windows, scheme: kv_schemes.Scheme, chunk: int = 128, progress=None
+):
     """Mean KLD against fp16 KV with ``scheme`` in one layer at a time, one
-    value per layer, over ``windows``."""
-    references = [
-        kv_eval.window_logprobs(model, w, make_prompt_cache(model), chunk)
-        for w in windows
-    ]
+    value per layer, over ``windows``. ``progress``: an ``eval.Progress`` of
+    (layers + 1) * windows passes, stepped after each."""
+
+    def window_logprobs(tokens, cache, label):
+        logprobs = kv_eval.window_logprobs(model, tokens, cache, chunk)
+        if progress:
+            progress.label = label
+            progress.step()
+        return logprobs
+
+    references = [window_logprobs(w, make_prompt_cache(model), "fp16") for w in windows]
     num_layers = len(make_prompt_cache(model))
     errors = []
     for layer in range(num_layers):
@@ -41,7 +49,7 @@ def layer_errors(model, windows, scheme: kv_schemes.Scheme, chunk: int = 128):
         for tokens, reference in zip(windows, references):
             cache = make_prompt_cache(model)
             cache[layer] = scheme.make_cache(model)[layer]
-            logprobs = kv_eval.window_logprobs(model, tokens, cache, chunk)
+            logprobs = window_logprobs(tokens, cache, f"layer {layer}")
             _, kld, _ = kv_eval.token_stats(logprobs, tokens[1:], reference)
             klds.append(kld)
         errors.append(sum(float(k.mean()) for k in klds) / len(klds))
@@ -102,7 +110,10 @@ def main(argv=None) -> dict:
     if hint := kv_eval.blas_hint():
         print(hint, file=sys.stderr)
     tic = time.perf_counter()
-    errors = layer_errors(model, windows, scheme, args.chunk)
+    num_layers = len(make_prompt_cache(model))
+    progress = kv_eval.Progress((num_layers + 1) * len(windows))
+    errors = layer_errors(model, windows, scheme, args.chunk, progress)
+    progress.close()
     layers = top_layers(errors, args.top)
     report = {
         "model": args.model,

@@ -1,5 +1,6 @@
 """Tests for omlx_cache.eval and omlx_cache.schemes on a tiny random llama."""
 
+import io
 import json
 
 import mlx.core as mx
@@ -340,8 +341,13 @@ def test_layer_bits_and_rule(model, windows):
     with pytest.raises(ValueError, match="layer 5"):
         schemes.get_scheme("4+k8@5").make_cache(model)
 
-    errors = layers.layer_errors(model, windows[:1], schemes.get_scheme("4"), chunk=32)
+    stream = io.StringIO()
+    progress = kv_eval.Progress(3, stream=stream)  # fp16, then each layer
+    errors = layers.layer_errors(
+        model, windows[:1], schemes.get_scheme("4"), chunk=32, progress=progress
+    )
     assert len(errors) == 2 and all(e > 0 for e in errors)
+    assert progress.done == 3 and "layer 1" in stream.getvalue()
     top = layers.top_layers(errors, 1)
     assert errors[top[0]] == max(errors)
     assert layers.with_layers("4+rotate/g32", [3, 11], 8) == "4+rotate+k8@3.11/g32"
