@@ -1064,10 +1064,10 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             self._flush_held()
         self.n_held += 1
         self.offset += 1
-        self.incoming = tuple(
-            x if x.dtype == held.dtype else x.astype(held.dtype)
-            for x, held in ((keys, self.held_keys), (values, self.held_values))
-        )
+        dtype = self.held_keys.dtype
+        if keys.dtype != dtype or values.dtype != dtype:
+            keys, values = keys.astype(dtype), values.astype(self.held_values.dtype)
+        self.incoming = (keys, values)
         if not self.kernel_writes_held:
             self._land_incoming()
         return True

@@ -34,6 +34,7 @@ reference in the tests.
 import contextlib
 import functools
 import struct
+from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
@@ -1254,18 +1255,22 @@ _COMBINE_KERNELS = {
 }
 
 
-def _combine(values, maxes, sums, dtype, shape, rotate_back, value_mean=None):
-    rows, _, G, D = values.shape
-    mean = [] if value_mean is None else [value_mean]
+def _combine_kernel(G, D, dtype, rotate_back, mean):
     template = (
         ("G", G),
         ("D", D),
         ("O", dtype),
         ("CW", COMBINE_WARPS),
         ("RV", rotate_back),
-        ("CV", value_mean is not None),
+        ("CV", mean),
     )
-    kernel = qd.specialized_kernel(*_COMBINE_KERNELS[bool(mean)], template, _header())
+    return qd.specialized_kernel(*_COMBINE_KERNELS[mean], template, _header())
+
+
+def _combine(values, maxes, sums, dtype, shape, rotate_back, value_mean=None):
+    rows, _, G, D = values.shape
+    kernel = _combine_kernel(G, D, dtype, rotate_back, value_mean is not None)
+    mean = [] if value_mean is None else [value_mean]
     return kernel(
         inputs=[values, maxes, sums, *mean],
         grid=(rows * G * COMBINE_WARPS * 32, 1, 1),
@@ -1320,6 +1325,125 @@ def _kept_inputs(kept, dtype):
     return keys.astype(dtype), values.astype(dtype), span
 
 
+@dataclass(frozen=True)
+class _Launch:
+    """One decode launch over up to ``MAX_PAGES`` pages: their indices (the
+    last repeated to fill ``n_slots``), sizes and first key's position,
+    whether its extra block attends the held and kept tokens and whether it
+    writes the incoming held token (then its last two outputs are the
+    buffers)."""
+
+    kernel: object
+    pages: tuple
+    n_slots: int
+    sizes: list
+    page_start: int
+    extra_block: bool
+    held: bool
+    fresh: bool
+    buffer_shape: tuple
+
+
+@dataclass(frozen=True)
+class _DecodePlan:
+    rows: int
+    G: int
+    D: int
+    scale_bits: int
+    launches: tuple
+    extras: bool
+    output_dtypes: list
+    combine: object
+
+
+@functools.lru_cache(maxsize=256)
+def _decode_plan(
+    q_shape,
+    q_dtype,
+    n_kv_heads,
+    sizes,
+    key_codec,
+    value_codec,
+    mask,
+    held,
+    kept,
+    transforms,
+    scale,
+):
+    """What a decode call's launches hold that does not change from step to
+    step (kernels, page slots, output types), made once per kind of call:
+    the host time of a decode step counts. ``mask``: (kind, one row per
+    sequence, dtype); ``held``: (buffer shape, dtype, any held, incoming);
+    ``transforms``: whether each of key mean, value mean, key weights is
+    given."""
+    B, n_q_heads, _, D = q_shape
+    G = n_q_heads // n_kv_heads
+    mask_kind, mask_rows, mask_dtype = mask
+    held_shape, held_dtype, has_held, incoming = held
+    key_mean, value_mean, key_weights = transforms
+    rotates_values = _rotates(value_codec)
+    template = _template(
+        D,
+        G,
+        key_codec.bits,
+        value_codec.bits,
+        _rotates(key_codec),
+        rotates_values,
+        n_kv_heads,
+        mask_kind,
+        mask_rows,
+        q_dtype,
+        mask_dtype,
+        held_dtype,
+    )
+    whole = all(size % 16 == 0 for size in sizes)
+    extras = kept or any(transforms)
+    launches = []
+    for first in range(0, len(sizes), MAX_PAGES):
+        pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
+        n_slots = 1 << (len(pages) - 1).bit_length()
+        # the last launch has one more block for the held and kept keys
+        last_launch = first + MAX_PAGES >= len(sizes)
+        launch_held = has_held and last_launch
+        launch_kept = kept and last_launch
+        fresh = incoming and launch_held
+        launch = (
+            ("NP", n_slots),
+            ("INC", fresh),
+            ("WHOLE", whole),
+            ("KEPT", launch_kept),
+            ("SKIP", kept),
+            ("CK", key_mean),
+            ("CV", value_mean),
+            ("WK", key_weights),
+        )
+        spec = _decode_kernel(n_slots, extras)
+        kernel = qd.specialized_kernel(*spec, template + launch, _header())
+        launches.append(
+            _Launch(
+                kernel=kernel,
+                pages=tuple(pages + [pages[-1]] * (n_slots - len(pages))),
+                n_slots=n_slots,
+                sizes=list(sizes[first : pages[-1] + 1]),
+                page_start=sum(sizes[:first]),
+                extra_block=launch_held or launch_kept,
+                held=launch_held,
+                fresh=fresh,
+                buffer_shape=held_shape if fresh else (1, 1, 1, 1),
+            )
+        )
+    return _DecodePlan(
+        rows=B * n_kv_heads,
+        G=G,
+        D=D,
+        scale_bits=struct.unpack("i", struct.pack("f", scale))[0],
+        launches=tuple(launches),
+        extras=extras,
+        output_dtypes=[mx.float32] * 3 + [held_dtype] * 2,
+        combine=_combine_kernel(G, D, q_dtype, rotates_values, value_mean),
+    )
+
+
 def decode_attention(
     queries,
     key_pages,
@@ -1348,11 +1472,7 @@ def decode_attention(
     mean back, as the cache's MLX ops do (``omlx_cache.center``). Returns the
     output and, where a last held token was given, the buffer with it in
     place (else None)."""
-    B, n_q_heads, _, D = queries.shape
-    n_kv_heads = key_pages[0][0].shape[1]
-    G = n_q_heads // n_kv_heads
-    rows = B * n_kv_heads
-    scale_bits = struct.unpack("i", struct.pack("f", scale))[0]
+    B = queries.shape[0]
     sizes, stored = [], 0
     for page in key_pages:
         if sizes and stored >= length:
@@ -1365,67 +1485,51 @@ def decode_attention(
         0,
         None,
     )
-    rotates_values = _rotates(value_codec)
-    template = _template(
-        D,
-        G,
-        key_codec.bits,
-        value_codec.bits,
-        _rotates(key_codec),
-        rotates_values,
-        n_kv_heads,
-        qd._mask_kind(mask, B, length + n_held),
-        mask is not None and not isinstance(mask, str) and mask.shape[0] > 1,
-        queries.dtype,
-        mask.dtype if isinstance(mask, mx.array) else mx.bool_,
-        held_keys.dtype,
-    )
     if mask is None or isinstance(mask, str):
+        mask_key = (0, False, mx.bool_)
         mask = qd._no_mask()
-    whole = all(size % 16 == 0 for size in sizes)
+    else:
+        kind = qd._mask_kind(mask, B, length + n_held)
+        mask_key = (kind, mask.shape[0] > 1, mask.dtype)
     key_mean, value_mean, key_weights = transforms
-    extras = kept is not None or any(x is not None for x in transforms)
+    plan = _decode_plan(
+        queries.shape,
+        queries.dtype,
+        key_pages[0][0].shape[1],
+        tuple(sizes),
+        key_codec,
+        value_codec,
+        mask_key,
+        (held_keys.shape, held_keys.dtype, n_held > 0, incoming is not None),
+        kept is not None,
+        (key_mean is not None, value_mean is not None, key_weights is not None),
+        scale,
+    )
+    rows, G, D = plan.rows, plan.G, plan.D
     extra_inputs = []
-    if extras:
+    if plan.extras:
         extra_inputs = list(_kept_inputs(kept, held_keys.dtype))
         extra_inputs += [_stand_in(mx.float32) if x is None else x for x in transforms]
+    no_fresh = [_stand_in(held_keys.dtype)] * 2
     values, maxes, sums, buffers = [], [], [], None
-    for first in range(0, len(sizes), MAX_PAGES):
-        pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
-        n_slots = 1 << (len(pages) - 1).bit_length()
-        launch_sizes = sizes[first : pages[-1] + 1]
+    for launch in plan.launches:
         meta, splits = qd._meta(
-            length, launch_sizes, sum(sizes[:first]), rows, n_slots, scale_bits
+            length,
+            launch.sizes,
+            launch.page_start,
+            rows,
+            launch.n_slots,
+            plan.scale_bits,
         )
-        n_blocks = len(pages) * splits
-        # the last launch has one more block for the held and kept keys
-        last_launch = first + MAX_PAGES >= len(sizes)
-        n_launch_held = n_held if last_launch else 0
-        launch_kept = kept is not None and last_launch
-        if n_launch_held or launch_kept:
-            n_blocks += 1
-        fresh = incoming if n_launch_held else None
-        pages += [pages[-1]] * (n_slots - len(pages))
+        n_blocks = len(launch.sizes) * splits + launch.extra_block
         inputs = [queries]
-        for p in pages:
+        for p in launch.pages:
             inputs += [*key_pages[p], *value_pages[p]]
-        inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
-        inputs += fresh or [_stand_in(held_keys.dtype)] * 2
+        held_count = _held_count(n_held if launch.held else 0)
+        inputs += [meta, mask, held_keys, held_values, held_count]
+        inputs += incoming if launch.fresh else no_fresh
         inputs += extra_inputs
-        no_buffer = (1, 1, 1, 1)
-        launch = (
-            ("NP", n_slots),
-            ("INC", fresh is not None),
-            ("WHOLE", whole),
-            ("KEPT", launch_kept),
-            ("SKIP", kept is not None),
-            ("CK", key_mean is not None),
-            ("CV", value_mean is not None),
-            ("WK", key_weights is not None),
-        )
-        spec = _decode_kernel(n_slots, extras)
-        kernel = qd.specialized_kernel(*spec, template + launch, _header())
-        v, m, s, *held_out = kernel(
+        v, m, s, *held_out = launch.kernel(
             inputs=inputs,
             grid=(n_blocks * 32 * WARPS, rows, 1),
             threadgroup=(32 * WARPS, 1, 1),
@@ -1433,12 +1537,12 @@ def decode_attention(
                 (rows, n_blocks, G, D),
                 (rows, n_blocks, G),
                 (rows, n_blocks, G),
-                held_keys.shape if fresh else no_buffer,
-                held_values.shape if fresh else no_buffer,
+                launch.buffer_shape,
+                launch.buffer_shape,
             ],
-            output_dtypes=[mx.float32] * 3 + [held_keys.dtype, held_values.dtype],
+            output_dtypes=plan.output_dtypes,
         )
-        if fresh:
+        if launch.fresh:
             buffers = tuple(held_out)
         values.append(v)
         maxes.append(m)
@@ -1449,16 +1553,14 @@ def decode_attention(
         sums = mx.concatenate(sums, axis=1)
     else:
         values, maxes, sums = values[0], maxes[0], sums[0]
-    out = _combine(
-        values,
-        maxes,
-        sums,
-        queries.dtype,
-        (B, n_q_heads, 1, D),
-        rotates_values,
-        value_mean,
-    )
-    return out, buffers
+    mean = [] if value_mean is None else [value_mean]
+    return plan.combine(
+        inputs=[values, maxes, sums, *mean],
+        grid=(rows * G * COMBINE_WARPS * 32, 1, 1),
+        threadgroup=(COMBINE_WARPS * 32, 1, 1),
+        output_shapes=[(B, queries.shape[1], 1, D)],
+        output_dtypes=[queries.dtype],
+    )[0], buffers
 
 
 def attention(
