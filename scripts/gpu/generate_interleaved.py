@@ -103,18 +103,18 @@ def ratio_interval(ratios):
     return statistics.median(ratios), interval
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def turn_arguments(parser, blocks):
+    """The options of a run whose schemes take turns (``--blocks`` rounds)."""
     parser.add_argument("--preset", default="llama3-8b", choices=sorted(bench.PRESETS))
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--schemes", nargs="+", default=["4", "codebook-3"])
-    parser.add_argument("--blocks", type=int, default=12, help="rounds of turns")
+    parser.add_argument("--blocks", type=int, default=blocks, help="rounds of turns")
     parser.add_argument("--block-steps", type=int, default=16, help="steps per turn")
-    parser.add_argument(
-        "--warmup", type=int, default=4608, help="context of an untimed round"
-    )
     parser.add_argument("--out", required=True)
-    opts = parser.parse_args()
+
+
+def checked_model(parser, opts):
+    """The preset's model once the schemes parse and turns are long enough."""
     for name in opts.schemes:
         try:
             parse(split_name(name)[0])
@@ -123,7 +123,32 @@ def main():
     if opts.block_steps <= SKIPPED:
         parser.error(f"--block-steps must be more than {SKIPPED}")
     preset = bench.PRESETS[opts.preset]
-    model = bench.build_model(preset, getattr(mx, preset.get("dtype", "float16")))
+    return bench.build_model(preset, getattr(mx, preset.get("dtype", "float16")))
+
+
+def write_report(opts, rows, **fields):
+    """The run's JSON at ``--out``."""
+    report = {
+        "preset": opts.preset,
+        "context": opts.context,
+        "blocks": opts.blocks,
+        "block_steps": opts.block_steps,
+        **fields,
+        "device": str(mx.default_device()),
+        "rows": rows,
+    }
+    with open(opts.out, "w") as f:
+        json.dump(report, f, indent=1)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    turn_arguments(parser, blocks=12)
+    parser.add_argument(
+        "--warmup", type=int, default=4608, help="context of an untimed round"
+    )
+    opts = parser.parse_args()
+    model = checked_model(parser, opts)
     vocab = model.args.vocab_size
     tokens = opts.blocks * opts.block_steps + 2
 
@@ -176,17 +201,7 @@ def main():
             f"of {opts.blocks} rounds",
             flush=True,
         )
-    report = {
-        "preset": opts.preset,
-        "context": opts.context,
-        "blocks": opts.blocks,
-        "block_steps": opts.block_steps,
-        "skipped_per_turn": SKIPPED,
-        "device": str(mx.default_device()),
-        "rows": rows,
-    }
-    with open(opts.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(opts, rows, skipped_per_turn=SKIPPED)
 
 
 if __name__ == "__main__":

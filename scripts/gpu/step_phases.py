@@ -18,7 +18,6 @@ phases are shorter but whose steps are longer is waiting on the GPU.
 import argparse
 import cProfile
 import gc
-import json
 import os
 import pstats
 import statistics
@@ -26,10 +25,14 @@ import time
 
 import mlx.core as mx
 from codebook_step_profile import decode_span
-from generate_interleaved import SKIPPED, split_name, start
-from generate_speed import parse
-
-from omlx_cache import bench
+from generate_interleaved import (
+    SKIPPED,
+    checked_model,
+    split_name,
+    start,
+    turn_arguments,
+    write_report,
+)
 
 PHASES = ("build", "submit", "wait", "step")
 
@@ -123,25 +126,14 @@ def top_functions(profile, n_steps, count=40):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="llama3-8b", choices=sorted(bench.PRESETS))
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--schemes", nargs="+", default=["4", "codebook-3"])
-    parser.add_argument("--blocks", type=int, default=24, help="rounds of turns")
-    parser.add_argument("--block-steps", type=int, default=16, help="steps per turn")
+    turn_arguments(parser, blocks=24)
     parser.add_argument(
         "--python-profile",
         action="store_true",
         help="cProfile each scheme's turns: its functions by own time in the JSON",
     )
-    parser.add_argument("--out", required=True)
     opts = parser.parse_args()
-    for name in opts.schemes:
-        try:
-            parse(split_name(name)[0])
-        except ValueError as e:
-            parser.error(str(e))
-    preset = bench.PRESETS[opts.preset]
-    model = bench.build_model(preset, getattr(mx, preset.get("dtype", "float16")))
+    model = checked_model(parser, opts)
     vocab = model.args.vocab_size
     timed = Timed(mx.async_eval)
     mx.async_eval = timed
@@ -186,16 +178,7 @@ def main():
             + f" ms, median (mean); gc {row['gc_ms_per_step']:.3f} ms a step",
             flush=True,
         )
-    report = {
-        "preset": opts.preset,
-        "context": opts.context,
-        "blocks": opts.blocks,
-        "block_steps": opts.block_steps,
-        "device": str(mx.default_device()),
-        "rows": rows,
-    }
-    with open(opts.out, "w") as f:
-        json.dump(report, f, indent=1)
+    write_report(opts, rows, skipped_per_turn=SKIPPED)
 
 
 if __name__ == "__main__":
