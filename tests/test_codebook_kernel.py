@@ -448,3 +448,28 @@ def test_decode_buffer_with_weighted_keys_and_kept_tokens():
             for x, y in zip(a, b):
                 assert mx.array_equal(x, y) if isinstance(x, mx.array) else x == y
         assert kept[2].exact_keys.shape[2] == 42
+
+
+@cuda_only
+def test_decode_steps_share_one_plan():
+    """A decode step's launches are planned once per kind of call: the steps
+    after the first find their plan (host time a decode layer pays)."""
+    cache = CodebookKVCache(3, page_size=4096)
+    k = mx.random.normal((1, 8, 600, 128)).astype(mx.float16)
+    cache.update_and_fetch(k, k)
+    q = mx.random.normal((1, 32, 1, 128)).astype(mx.float16)
+
+    def step():
+        t = mx.random.normal((1, 8, 1, 128)).astype(mx.float16)
+        keys, values = cache.update_and_fetch(t, t)
+        out = cache.scaled_dot_product_attention(q, keys, values, 0.1, None)
+        mx.eval(out, cache.held_keys)
+        return out
+
+    step()
+    step()
+    hits = codebook_kernel._decode_plan.cache_info().hits
+    for _ in range(3):
+        step()
+    assert codebook_kernel._decode_plan.cache_info().hits == hits + 3
+    assert cache.n_held == 5
