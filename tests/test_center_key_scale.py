@@ -361,6 +361,14 @@ def test_bounded_layers_take_the_second_scheme():
             schemes.get_scheme(bad)
 
 
+def test_bounded_part_gives_its_layers_more_key_bits():
+    # Q4's form: a layer list in B gives those bounded layers' keys more bits
+    name = "4,3+rotate+center+qscale+exact8+res16/g64,32~4+rotate+center+qscale+exact8+k5@1"
+    caches = schemes.get_scheme(name).make_cache(tiny_gemma())
+    assert [c.bits for c in caches] == [4, (5, 4), (4, 3)]
+    assert all(c.keep_exact == 8 and c.key_scale == "qk" for c in caches)
+
+
 def test_bounded_layers_cost_their_window():
     model = tiny_gemma()
     tokens = mx.random.randint(0, 128, (1, 40))
