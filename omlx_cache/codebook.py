@@ -1064,9 +1064,10 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
             self._flush_held()
         self.n_held += 1
         self.offset += 1
-        dtype = self.held_keys.dtype
-        if keys.dtype != dtype or values.dtype != dtype:
-            keys, values = keys.astype(dtype), values.astype(self.held_values.dtype)
+        if keys.dtype != self.held_keys.dtype:
+            keys = keys.astype(self.held_keys.dtype)
+        if values.dtype != self.held_values.dtype:
+            values = values.astype(self.held_values.dtype)
         self.incoming = (keys, values)
         if not self.kernel_writes_held:
             self._land_incoming()

@@ -1267,9 +1267,10 @@ def _combine_kernel(G, D, dtype, rotate_back, mean):
     return qd.specialized_kernel(*_COMBINE_KERNELS[mean], template, _header())
 
 
-def _combine(values, maxes, sums, dtype, shape, rotate_back, value_mean=None):
-    rows, _, G, D = values.shape
-    kernel = _combine_kernel(G, D, dtype, rotate_back, value_mean is not None)
+def _combine(kernel, values, maxes, sums, dtype, shape, value_mean=None):
+    """The decode blocks' partial outputs combined by ``kernel`` (one of
+    ``_combine_kernel``)."""
+    rows, _, G, _ = values.shape
     mean = [] if value_mean is None else [value_mean]
     return kernel(
         inputs=[values, maxes, sums, *mean],
@@ -1553,14 +1554,9 @@ def decode_attention(
         sums = mx.concatenate(sums, axis=1)
     else:
         values, maxes, sums = values[0], maxes[0], sums[0]
-    mean = [] if value_mean is None else [value_mean]
-    return plan.combine(
-        inputs=[values, maxes, sums, *mean],
-        grid=(rows * G * COMBINE_WARPS * 32, 1, 1),
-        threadgroup=(COMBINE_WARPS * 32, 1, 1),
-        output_shapes=[(B, queries.shape[1], 1, D)],
-        output_dtypes=[queries.dtype],
-    )[0], buffers
+    shape = (B, queries.shape[1], 1, D)
+    out = _combine(plan.combine, values, maxes, sums, queries.dtype, shape, value_mean)
+    return out, buffers
 
 
 def attention(

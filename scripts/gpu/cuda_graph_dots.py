@@ -34,7 +34,7 @@ def node_kind(attributes):
     """'K' kernel, 'G' child graph, 'E' empty, '?' else, from a DOT node's
     attributes as cudaGraphDebugDotPrint writes them."""
     text = attributes.upper()
-    if "KERNEL" in text or kernel_names(attributes):
+    if "KERNEL" in text:
         return "K"
     if "CHILD" in text or "GRAPH_" in text:
         return "G"
@@ -69,10 +69,10 @@ def read_graph(path):
         for ga, a, gb, b in EDGE.findall(text)
         if int(ga) == top and int(gb) == top
     )
-    kinds = "".join(node_kind(top_nodes[i]) for i in sorted(top_nodes))
-    kernels = []
-    for i in sorted(top_nodes):
-        kernels += kernel_names(top_nodes[i])
+    order = sorted(top_nodes)
+    names = {i: kernel_names(top_nodes[i]) for i in order}
+    kinds = "".join("K" if names[i] else node_kind(top_nodes[i]) for i in order)
+    kernels = [name for i in order for name in names[i]]
     key = f"{kinds}|" + ",".join(f"{a}-{b}" for a, b in edges)
     return {
         "nodes": len(top_nodes),
