@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -89,16 +90,14 @@ class Server:
         self._wait_until_ready(timeout)
 
     def _wait_until_ready(self, timeout):
-        import requests  # not needed in process (the GPU machine may lack it)
-
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited:\n{self.log()}")
             try:
-                if requests.get(f"{self.url}/health", timeout=1).ok:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=1):
                     return
-            except requests.ConnectionError:
+            except OSError:
                 time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"server did not start within {timeout} s")

@@ -121,6 +121,8 @@ def cache_settings(args: argparse.Namespace) -> dict:
         "kv_group_size",
         "kv_rotate",
         "kv_keep_exact",
+        "kv_cache",
+        "kv_cache_config",
         "max_kv_size",
         "quantized_kv_start",
     )
@@ -478,6 +480,9 @@ class DiskPromptCache:
                 type(c).__name__ for c, lay in zip(prompt_cache, layouts) if not lay
             }
             self._note_unsupported(f"caches of {', '.join(sorted(names))}")
+            return
+        if any(getattr(c, "residual", 0) for c in prompt_cache):
+            self._note_unsupported("caches with a recent window (residual)")
             return
         B = self.block_tokens
         try:

@@ -80,9 +80,19 @@ def register(pattern: str, syntax: str, help: str = ""):
     return wrap
 
 
+# Schemes by a short name: q4 meets issue 17's 4-bit goals on SmolLM2 and
+# Gemma 3 (4.6 bits, docs/results.md)
+PRESETS = {
+    "q4": "4,3+rotate+center+qscale+exact8+res72/g64,32"
+    "~4+rotate+center+qscale+exact8+k5@4.8",
+}
+
+
 def get_scheme(name: str, group_size=64) -> Scheme:
-    """The scheme for ``name``; ``group_size`` is an int or a (key, value) pair."""
+    """The scheme for ``name`` (or for the scheme string a preset name stands
+    for); ``group_size`` is an int or a (key, value) pair."""
     name = name.strip()
+    name = PRESETS.get(name, name)
     for entry in _REGISTRY:
         match = entry.pattern.fullmatch(name)
         if match:
@@ -99,9 +109,12 @@ def bounded_layers(model: nn.Module) -> list[bool]:
 def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
     """``scheme`` with a bounded context, as ``--max-kv-size`` gives it: each
     layer's cache becomes a rotating one of ``max_kv_size`` tokens that keeps the
-    first ``keep``, quantized as the scheme's cache is."""
+    first ``keep``, quantized as the scheme's cache is. Layers bounded already
+    (sliding windows) keep their caches, as in ``make_prompt_cache``."""
 
     def rotating(cache):
+        if hasattr(cache, "max_size"):
+            return cache
         window = RotatingKVCache(max_size=max_kv_size, keep=keep)
         if type(cache) is KVCache:
             return window
@@ -132,12 +145,14 @@ def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
 
 
 def known_forms() -> str:
-    return ", ".join(entry.syntax for entry in _REGISTRY)
+    return ", ".join([*PRESETS, *(entry.syntax for entry in _REGISTRY)])
 
 
 def describe() -> str:
-    """One line per registered form, for ``--help``."""
-    return "; ".join(f"{entry.syntax}: {entry.help}" for entry in _REGISTRY)
+    """One line per preset and registered form, for ``--help``."""
+    presets = [f"{name}: {scheme}" for name, scheme in PRESETS.items()]
+    forms = [f"{entry.syntax}: {entry.help}" for entry in _REGISTRY]
+    return "; ".join(presets + forms)
 
 
 def parse_group_size(text: str):

@@ -134,15 +134,20 @@ def test_round_trip_bfloat16(tokens, tmp_path, kind):
     assert_same_cache(cache, restored, n)
 
 
-def test_residual_cache_is_not_stored(model, tokens, tmp_path):
-    """A residual's recent tokens are not in its pages: no block of it."""
+def test_residual_cache_is_not_stored(model, tokens, tmp_path, caplog):
+    """A residual's recent tokens are not in its pages: no block of it, and
+    one warning that says so."""
     cache = make_prompt_cache(model, kv_bits=4, kv_residual=16)
     prefill(model, cache, tokens[:100])
     assert cache[0]._n_held
     t = tier(tmp_path)
-    t.insert(MODEL, tokens[:100], cache)
+    with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
+        t.insert(MODEL, tokens[:100], cache)
+        t.insert(MODEL, tokens[:90], cache)
     t.flush()
     assert t.stats.written_blocks == 0 and t.fetch(MODEL, tokens, 0) is None
+    warned = [r for r in caplog.records if "recent window" in r.getMessage()]
+    assert len(warned) == 1
 
 
 def test_fetch_limits(model, tokens, tmp_path):

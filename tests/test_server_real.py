@@ -248,3 +248,47 @@ def test_bounded_server_keeps_first_tokens(fresh_server):
         answers[name] = ask(url, LONG_PROMPT, max_tokens=16)
     assert answers["8"] == answers["fp16"], answers
     assert not any(map(collapsed, answers.values())), answers
+
+
+def test_scheme_served_through_kv_cache_hook(fresh_server):
+    # q4 (weighted keys, a recent window): served one request at a time, with
+    # fp16's greedy answers to these questions
+    fp16 = [ask(fresh_server(), q) for q in QUESTIONS]
+    url = fresh_server("--kv-cache", "omlx", "--kv-cache-config", "q4")
+    with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        together = list(pool.map(lambda q: ask(url, q), QUESTIONS))
+    assert together == fp16
+
+
+def test_batchable_scheme_is_batched(fresh_server):
+    # centered keys without weights merge into a batch
+    url = fresh_server("--kv-cache", "omlx", "--kv-cache-config", "8,4+center")
+    alone = [ask_streaming(url, q, max_tokens=40)[0] for q in LONG_ANSWERS]
+    with concurrent.futures.ThreadPoolExecutor(len(LONG_ANSWERS)) as pool:
+        together = list(
+            pool.map(lambda q: ask_streaming(url, q, max_tokens=40), LONG_ANSWERS)
+        )
+    assert [parts[:16] for parts, _, _ in together] == [p[:16] for p in alone]
+    spans = [(first, last) for _, first, last in together]
+    assert any(
+        max(a[0], b[0]) < min(a[1], b[1]) for a, b in itertools.combinations(spans, 2)
+    )
+
+
+@pytest.mark.parametrize(
+    "flags, error",
+    [
+        (("--kv-cache-config", "4+centre"), "--kv-cache-config 4+centre: Unknown KV"),
+        (("--kv-bits", "4"), "makes the KV caches itself; leave out --kv-bits"),
+        (("--kv-cache", "no-such-cache"), "'no-such-cache', but no installed package"),
+    ],
+)
+def test_bad_kv_cache_flags_are_named(smollm2_dirs, tmp_path, flags, error):
+    command = [sys.executable, "-m", "mlx_lm.server", "--model", str(smollm2_dirs[1])]
+    command += ["--kv-cache", "omlx", *flags]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path))
+    done = subprocess.run(
+        command, check=False, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert error in done.stderr
