@@ -80,11 +80,12 @@ def register(pattern: str, syntax: str, help: str = ""):
     return wrap
 
 
-# Schemes by a short name: q4 meets issue 17's 4-bit goals on SmolLM2 and
-# Gemma 3 (4.6 bits, docs/results.md)
+# Schemes by a short name (docs/results.md): q4 has the lowest error at 4.6
+# bits on SmolLM2 and Gemma 3; q4-recall (4.57 bits) finds more passkeys
 PRESETS = {
     "q4": "4,3+rotate+center+qscale+exact8+res72/g64,32"
     "~4+rotate+center+qscale+exact8+k5@4.8",
+    "q4-recall": "4+rotate+center+qscale+exact16",
 }
 
 

@@ -251,10 +251,10 @@ def test_bounded_server_keeps_first_tokens(fresh_server):
 
 
 def test_scheme_served_through_kv_cache_hook(fresh_server):
-    # q4 (weighted keys, a recent window): served one request at a time, with
-    # fp16's greedy answers to these questions
+    # the default, q4 (weighted keys, a recent window): served one request at
+    # a time, with fp16's greedy answers to these questions
     fp16 = [ask(fresh_server(), q) for q in QUESTIONS]
-    url = fresh_server("--kv-cache", "omlx", "--kv-cache-config", "q4")
+    url = fresh_server("--kv-cache", "omlx")
     with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
         together = list(pool.map(lambda q: ask(url, q), QUESTIONS))
     assert together == fp16

@@ -8,7 +8,8 @@ Each ``--kv NAME=FLAGS`` starts ``python -m mlx_lm.server`` on 127.0.0.1 with
 those flags (and ``--prompt-cache-size 0``: every prompt computed from
 scratch), sends each passkey prompt of ``omlx_cache.eval`` (the same keys,
 depths and filler) as a plain completion at temperature 0 and counts the
-answers that begin with the key. Settings after the first are paired with
+answers that contain the key. ``--alone`` sends a seed with each request,
+which the server serves on its own instead of through its batch generator. Settings after the first are paired with
 the first's trials (keys lost and gained, McNemar p). Prints a table and
 writes JSON.
 """
@@ -47,6 +48,11 @@ def parse_args(argv=None):
     parser.add_argument("--depths", type=int, default=8)
     parser.add_argument("--keys", type=int, default=3, help="passkeys per depth")
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument(
+        "--alone",
+        action="store_true",
+        help="requests with a seed: served one at a time, not as a batch",
+    )
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp"))
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -72,8 +78,10 @@ def prompts(tokenizer, context, depths, keys):
     return trials
 
 
-def complete(url, text, max_tokens) -> dict:
+def complete(url, text, max_tokens, alone=False) -> dict:
     body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0.0}
+    if alone:
+        body["seed"] = 0
     request = urllib.request.Request(
         f"{url}/v1/completions",
         data=json.dumps(body).encode(),
@@ -83,12 +91,12 @@ def complete(url, text, max_tokens) -> dict:
         return json.load(response)
 
 
-def run_setting(model, flags, trials, max_tokens, log_dir) -> list[dict]:
+def run_setting(model, flags, trials, args) -> list[dict]:
     runs = []
-    with Server(model, log_dir, "--prompt-cache-size", "0", *flags) as server:
+    with Server(model, args.log_dir, "--prompt-cache-size", "0", *flags) as server:
         for n, (key, depth, text) in enumerate(trials, 1):
             start = time.monotonic()
-            reply = complete(server.url, text, max_tokens)
+            reply = complete(server.url, text, args.max_tokens, args.alone)
             answer = reply["choices"][0]["text"]
             runs.append(
                 {
@@ -96,7 +104,7 @@ def run_setting(model, flags, trials, max_tokens, log_dir) -> list[dict]:
                     "depth": depth,
                     "prompt_tokens": reply["usage"]["prompt_tokens"],
                     "answer": answer,
-                    "correct": answer.strip().startswith(key),
+                    "correct": key in answer,
                     "seconds": round(time.monotonic() - start, 3),
                 }
             )
@@ -111,7 +119,7 @@ def main(argv=None):
     results = []
     for name, flags in args.settings.items():
         print(f"[server_passkey] {name}: {' '.join(flags) or '(no flags)'}", flush=True)
-        runs = run_setting(args.model, flags, trials, args.max_tokens, args.log_dir)
+        runs = run_setting(args.model, flags, trials, args)
         result = {"name": name, "flags": flags, "runs": runs}
         result["correct"] = sum(r["correct"] for r in runs)
         if results:
@@ -134,6 +142,7 @@ def main(argv=None):
             "context": args.context,
             "depths": args.depths,
             "keys": args.keys,
+            "alone": args.alone,
             "results": results,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
