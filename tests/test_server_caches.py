@@ -7,7 +7,6 @@ import importlib.metadata
 import pytest
 from mlx_lm import load
 from test_center_key_scale import tiny_gemma
-from tiny_llama import make_model
 
 from omlx_cache import schemes, server_caches
 from omlx_cache.center import CenteredQuantizedKVCache, CenteredQuantizedRotatingKVCache
