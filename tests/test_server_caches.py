@@ -3,9 +3,12 @@
 
 import argparse
 import importlib.metadata
+import itertools
 
+import mlx.core as mx
 import pytest
 from mlx_lm import load
+from mlx_lm.generate import generate_step
 from test_center_key_scale import tiny_gemma
 
 from omlx_cache import schemes, server_caches
@@ -52,3 +55,38 @@ def test_max_kv_size_bounds_the_unbounded_layers_only():
 def test_bad_scheme_is_named():
     with pytest.raises(ValueError, match="--kv-cache-config 4\\+centre: Unknown"):
         server_caches.from_args(server_args("4+centre"))
+
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary color.",
+    "What is 2 + 2?",
+]
+
+
+def test_reused_prefix_answers_as_a_fresh_cache(smollm2_dirs):
+    """The server trims a cached prompt to the prefix the next request shares
+    with it: q4's recent tokens stay held through the trim (patch 0025), so
+    every question answers as from a fresh cache, whichever came before."""
+    model, tokenizer = load(str(smollm2_dirs[1]))
+    scheme = schemes.get_scheme("q4")
+
+    def answer(prompt, cache):
+        steps = generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=8)
+        return [int(token) for token, _ in steps]
+
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True
+        )
+        for q in QUESTIONS
+    ]
+    fresh = [answer(p, scheme.make_cache(model)) for p in prompts]
+    for before, after in itertools.permutations(range(len(prompts)), 2):
+        a, b = prompts[before], prompts[after]
+        shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        cache = scheme.make_cache(model)
+        answer(a, cache)
+        for c in cache:
+            c.trim(c.offset - shared)
+        assert answer(b[shared:], cache) == fresh[after], (before, after)

@@ -196,10 +196,9 @@ def test_prompt_cache_hits_match_fp16(fresh_server):
     assert all(cached > 0 for _, cached in quantized[1:])
 
 
-def test_bounded_quantized_server_batches(fresh_server):
-    # a 32-token window, shorter than the prompts (35-38 tokens): prefill and
-    # decode both wrap the quantized rotating caches
-    url = fresh_server("--max-kv-size", "32", "--kv-bits", "8,4")
+def assert_batched_as_alone(url):
+    """Concurrent long answers are those given alone (their first 16 pieces),
+    served as a batch; the answers alone."""
     alone = [ask_streaming(url, q, max_tokens=40)[0] for q in LONG_ANSWERS]
     with concurrent.futures.ThreadPoolExecutor(len(LONG_ANSWERS)) as pool:
         together = list(
@@ -208,7 +207,6 @@ def test_bounded_quantized_server_batches(fresh_server):
     # the same tokens as alone; greedy decoding may part where two logits
     # nearly tie, as a batch's float32 matmuls differ from one sequence's in
     # the last bits (it did once in CI, after some 25 equal tokens): 16 must agree
-    assert all(len(parts) >= 16 for parts in alone)
     assert [parts[:16] for parts, _, _ in together] == [p[:16] for p in alone]
     # served as a batch: streams ran at the same time (one at a time, each
     # would start after the one before it ended)
@@ -216,6 +214,15 @@ def test_bounded_quantized_server_batches(fresh_server):
     assert any(
         max(a[0], b[0]) < min(a[1], b[1]) for a, b in itertools.combinations(spans, 2)
     )
+    return alone
+
+
+def test_bounded_quantized_server_batches(fresh_server):
+    # a 32-token window, shorter than the prompts (35-38 tokens): prefill and
+    # decode both wrap the quantized rotating caches
+    url = fresh_server("--max-kv-size", "32", "--kv-bits", "8,4")
+    alone = assert_batched_as_alone(url)
+    assert all(len(parts) >= 16 for parts in alone)
 
 
 # With the chat template, 284 tokens: more than twice a 128-token window
@@ -262,16 +269,8 @@ def test_scheme_served_through_kv_cache_hook(fresh_server):
 
 def test_batchable_scheme_is_batched(fresh_server):
     # centered keys without weights merge into a batch
-    url = fresh_server("--kv-cache", "omlx", "--kv-cache-config", "8,4+center")
-    alone = [ask_streaming(url, q, max_tokens=40)[0] for q in LONG_ANSWERS]
-    with concurrent.futures.ThreadPoolExecutor(len(LONG_ANSWERS)) as pool:
-        together = list(
-            pool.map(lambda q: ask_streaming(url, q, max_tokens=40), LONG_ANSWERS)
-        )
-    assert [parts[:16] for parts, _, _ in together] == [p[:16] for p in alone]
-    spans = [(first, last) for _, first, last in together]
-    assert any(
-        max(a[0], b[0]) < min(a[1], b[1]) for a, b in itertools.combinations(spans, 2)
+    assert_batched_as_alone(
+        fresh_server("--kv-cache", "omlx", "--kv-cache-config", "8,4+center")
     )
 
 
