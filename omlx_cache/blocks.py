@@ -380,9 +380,8 @@ class LinearLayout:
     name = "linear"
 
     def length(self, cache) -> int:
-        """Tokens held in order from the first (0: none usable; a residual's
-        recent tokens are held apart from the pages, in its settings)."""
-        if cache.empty() or getattr(cache, "residual", 0):
+        """Tokens held in order from the first (0: none usable)."""
+        if cache.empty():
             return 0
         return int(cache.state[2])
 
@@ -398,6 +397,25 @@ class LinearLayout:
 
     def build(self, cls, keys, values, length: int, settings: list):
         return cls.from_state([keys, values, length, *settings])
+
+
+class QuantizedLayout(LinearLayout):
+    """``QuantizedKVCache`` and its subclasses: with a residual, the recent
+    tokens are held apart from the pages (state items 10 and 11), so the
+    blocks take the tokens before them and a restored cache holds none; the
+    server computes the rest again."""
+
+    def length(self, cache) -> int:
+        if cache.empty():
+            return 0
+        offset = int(cache.state[2])
+        return offset - cache._n_held if getattr(cache, "residual", 0) else offset
+
+    def settings(self, state) -> list:
+        settings = list(state[3:])
+        if len(state) > 11 and state[9]:
+            settings[7] = settings[8] = None
+        return settings
 
 
 class RingLayout(LinearLayout):
@@ -426,7 +444,7 @@ class RingLayout(LinearLayout):
 
 LAYOUTS = {
     KVCache: LinearLayout(),
-    QuantizedKVCache: LinearLayout(),
+    QuantizedKVCache: QuantizedLayout(),
     CodebookKVCache: LinearLayout(),
     RotatingKVCache: RingLayout(),
 }

@@ -481,9 +481,6 @@ class DiskPromptCache:
             }
             self._note_unsupported(f"caches of {', '.join(sorted(names))}")
             return
-        if any(getattr(c, "residual", 0) for c in prompt_cache):
-            self._note_unsupported("caches with a recent window (residual)")
-            return
         B = self.block_tokens
         try:
             length = min(

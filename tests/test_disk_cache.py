@@ -134,20 +134,43 @@ def test_round_trip_bfloat16(tokens, tmp_path, kind):
     assert_same_cache(cache, restored, n)
 
 
-def test_residual_cache_is_not_stored(model, tokens, tmp_path, caplog):
-    """A residual's recent tokens are not in its pages: no block of it, and
-    one warning that says so."""
-    cache = make_prompt_cache(model, kv_bits=4, kv_residual=16)
+RESIDUAL_KINDS = {
+    "4+exact4+res16": lambda m: make_prompt_cache(
+        m, kv_bits=4, kv_residual=16, kv_keep_exact=4
+    ),
+    "4,3+rotate+center+qscale+exact4+res16": lambda m: [
+        CenteredQuantizedKVCache(
+            (64, 32), (4, 3), rotate=True, keep_exact=4, residual=16, key_scale="qk"
+        )
+        for _ in m.layers
+    ],
+}
+
+
+@pytest.mark.parametrize("kind", list(RESIDUAL_KINDS))
+def test_residual_cache_stores_the_tokens_before_its_recent_ones(
+    model, tokens, tmp_path, kind
+):
+    """A residual's recent tokens are not in its pages: the blocks take the
+    tokens before them, and the restored cache holds none (the model goes on
+    from there as the original, trimmed, does)."""
+    cache = RESIDUAL_KINDS[kind](model)
     prefill(model, cache, tokens[:100])
-    assert cache[0]._n_held
+    held = cache[0]._n_held
+    assert held == 20  # 80 tokens in the pages
     t = tier(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
-        t.insert(MODEL, tokens[:100], cache)
-        t.insert(MODEL, tokens[:90], cache)
+    t.insert(MODEL, tokens[:100], cache)
     t.flush()
-    assert t.stats.written_blocks == 0 and t.fetch(MODEL, tokens, 0) is None
-    warned = [r for r in caplog.records if "recent window" in r.getMessage()]
-    assert len(warned) == 1
+    restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
+    assert n == 100 - held
+    assert all((c.residual, c._n_held, c.offset) == (16, 0, n) for c in restored)
+    assert_same_cache(cache, restored, n)
+    for c in cache:
+        c.trim(100 - n)
+    expected = prefill(model, cache, tokens[n:120])
+    logits = prefill(model, restored, tokens[n:120])
+    assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item()
+    assert [c._n_held for c in restored] == [c._n_held for c in cache]
 
 
 def test_fetch_limits(model, tokens, tmp_path):
