@@ -91,6 +91,18 @@ def assert_same_cache(a, b, n):
             assert mx.array_equal(u, v).item()
 
 
+def assert_goes_on_alike(model, tokens, cache, restored, n, stop):
+    """The model goes on from the ``n`` restored tokens to ``stop`` as from
+    the original cache trimmed to them (up to float rounding: attention tiles
+    follow the pages, one page after a restore)."""
+    for c in cache:
+        c.trim(c.offset - n)
+    expected = prefill(model, cache, tokens[n:stop])
+    logits = prefill(model, restored, tokens[n:stop])
+    assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item()
+    assert mx.array_equal(logits.argmax(-1), expected.argmax(-1)).item()
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_round_trip(model, tokens, tmp_path, kind):
     cache = stored(model, tokens, kind, 250)
@@ -107,14 +119,7 @@ def test_round_trip(model, tokens, tmp_path, kind):
     restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
     assert n == 250
     assert_same_cache(cache, restored, n)
-    # the model goes on from it as from the original, trimmed (up to float
-    # rounding: attention tiles follow the pages, one page after a restore)
-    for c in cache:
-        c.trim(250 - n)
-    expected = prefill(model, cache, tokens[n:280])
-    logits = prefill(model, restored, tokens[n:280])
-    assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item()
-    assert mx.array_equal(logits.argmax(-1), expected.argmax(-1)).item()
+    assert_goes_on_alike(model, tokens, cache, restored, n, 280)
 
 
 @pytest.mark.parametrize("kind", ["fp", "8,4"])
@@ -165,11 +170,7 @@ def test_residual_cache_stores_the_tokens_before_its_recent_ones(
     assert n == 100 - held
     assert all((c.residual, c._n_held, c.offset) == (16, 0, n) for c in restored)
     assert_same_cache(cache, restored, n)
-    for c in cache:
-        c.trim(100 - n)
-    expected = prefill(model, cache, tokens[n:120])
-    logits = prefill(model, restored, tokens[n:120])
-    assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item()
+    assert_goes_on_alike(model, tokens, cache, restored, n, 120)
     assert [c._n_held for c in restored] == [c._n_held for c in cache]
 
 
