@@ -48,7 +48,12 @@ from .bench.run import device_info, versions
 from .disk_cache import BLOCK_TOKENS_ENV, DiskPromptCache, wait_for_blocks
 
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
-SCHEMES = {"fp16": (), "8,4": ("--kv-bits", "8,4"), "4": ("--kv-bits", "4")}
+SCHEMES = {
+    "fp16": (),
+    "8,4": ("--kv-bits", "8,4"),
+    "4": ("--kv-bits", "4"),
+    "q4": ("--kv-cache", "omlx"),
+}
 MiB = 1 << 20
 
 
