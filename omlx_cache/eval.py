@@ -353,6 +353,29 @@ def passkey_prompt(
     return PasskeyPrompt(tokens, answer, key, depth)
 
 
+def passkey_prompts(
+    tokenizer,
+    context: int,
+    depths: Sequence[float],
+    keys: int = 1,
+    seed: int = 0,
+    bos: int | None = None,
+) -> list[PasskeyPrompt]:
+    """The prompts of ``keys`` passkeys at each of ``depths``, in trial order:
+    key ``k`` at depth ``i`` is trial ``k * len(depths) + i``."""
+    return [
+        passkey_prompt(
+            tokenizer,
+            context,
+            depth,
+            passkey_key(context, k * len(depths) + i, seed),
+            bos,
+        )
+        for k in range(keys)
+        for i, depth in enumerate(depths)
+    ]
+
+
 def passkey_trial(model, prompt: PasskeyPrompt, cache: list, chunk: int) -> dict:
     """Prefill ``prompt`` through ``cache`` in chunks and decode greedily, one
     token at a time, as many tokens as the key has, each step fed the key's
@@ -397,14 +420,11 @@ def evaluate_passkey(
     ``"vs_reference"`` (``paired_outcomes``)."""
     results = [{} for _ in schemes]
     for context in contexts:
-        trials = [(k, i, d) for k in range(keys) for i, d in enumerate(depths)]
-        for k, i, depth in trials:
-            key = passkey_key(context, k * len(depths) + i, seed)
-            prompt = passkey_prompt(tokenizer, context, depth, key, bos)
+        for prompt in passkey_prompts(tokenizer, context, depths, keys, seed, bos):
             for scheme, result in zip(schemes, results):
                 if progress is not None:
                     progress.label = (
-                        f"passkey {context}, depth {depth:.2f}, kv {scheme.name}"
+                        f"passkey {context}, depth {prompt.depth:.2f}, kv {scheme.name}"
                     )
                 trial = passkey_trial(model, prompt, scheme.make_cache(model), chunk)
                 runs = result.setdefault(str(context), {"runs": []})["runs"]

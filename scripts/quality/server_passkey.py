@@ -25,12 +25,7 @@ from pathlib import Path
 from mlx_lm.utils import load_tokenizer
 
 from omlx_cache.disk_bench import Server
-from omlx_cache.eval import (
-    paired_outcomes,
-    passkey_depths,
-    passkey_key,
-    passkey_prompt,
-)
+from omlx_cache.eval import paired_outcomes, passkey_depths, passkey_prompts
 
 
 def parse_args(argv=None):
@@ -69,13 +64,10 @@ def parse_args(argv=None):
 def prompts(tokenizer, context, depths, keys):
     """(key, depth, prompt text) of each trial, as ``omlx_cache.eval`` makes
     them (the text decoded from its tokens; the server encodes it again)."""
-    trials = []
-    for k in range(keys):
-        for i, depth in enumerate(passkey_depths(depths)):
-            key = passkey_key(context, k * depths + i)
-            prompt = passkey_prompt(tokenizer, context, depth, key)
-            trials.append((key, depth, tokenizer.decode(prompt.tokens)))
-    return trials
+    return [
+        (p.key, p.depth, tokenizer.decode(p.tokens))
+        for p in passkey_prompts(tokenizer, context, passkey_depths(depths), keys)
+    ]
 
 
 def complete(url, text, max_tokens, alone=False) -> dict:
