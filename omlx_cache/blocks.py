@@ -406,10 +406,8 @@ class QuantizedLayout(LinearLayout):
     server computes the rest again."""
 
     def length(self, cache) -> int:
-        if cache.empty():
-            return 0
-        offset = int(cache.state[2])
-        return offset - cache._n_held if getattr(cache, "residual", 0) else offset
+        length = super().length(cache)  # reads the state: a pending write lands
+        return length - cache._n_held if getattr(cache, "residual", 0) else length
 
     def settings(self, state) -> list:
         settings = list(state[3:])
