@@ -10,9 +10,15 @@ import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
 from test_center_key_scale import tiny_gemma
+from test_server_real import QUESTIONS
 
 from omlx_cache import schemes, server_caches
 from omlx_cache.center import CenteredQuantizedKVCache, CenteredQuantizedRotatingKVCache
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dirs):
+    return load(str(smollm2_dirs[1]))
 
 
 def server_args(config=None, group_size=64):
@@ -32,8 +38,8 @@ def test_entry_point_is_installed():
     assert entry.load() is server_caches.from_args
 
 
-def test_default_scheme_is_q4(smollm2_dirs):
-    model, _ = load(str(smollm2_dirs[1]))
+def test_default_scheme_is_q4(smollm2):
+    model, _ = smollm2
     caches = server_caches.from_args(server_args())(model)
     assert all(type(c) is CenteredQuantizedKVCache for c in caches)
     assert all(c.key_scale and c.keep_exact == 8 and c.residual == 72 for c in caches)
@@ -57,18 +63,11 @@ def test_bad_scheme_is_named():
         server_caches.from_args(server_args("4+centre"))
 
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Name a primary color.",
-    "What is 2 + 2?",
-]
-
-
-def test_reused_prefix_answers_as_a_fresh_cache(smollm2_dirs):
+def test_reused_prefix_answers_as_a_fresh_cache(smollm2):
     """The server trims a cached prompt to the prefix the next request shares
     with it: q4's recent tokens stay held through the trim (patch 0025), so
     every question answers as from a fresh cache, whichever came before."""
-    model, tokenizer = load(str(smollm2_dirs[1]))
+    model, tokenizer = smollm2
     scheme = schemes.get_scheme("q4")
 
     def answer(prompt, cache):
