@@ -72,6 +72,7 @@ class Server:
     def __init__(self, model, log_dir, *args, env=None, prefix=(), timeout=180):
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
+        Path(log_dir).mkdir(parents=True, exist_ok=True)
         self.log_path = Path(log_dir) / f"server-{port}.log"
         environ = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
         if OPENBLAS.exists():

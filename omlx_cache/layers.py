@@ -12,7 +12,15 @@ default windows of the evaluation text after the tokens ``omlx_cache.eval``
 scores, so the two do not overlap). The layers with the largest errors are
 the ones to store with more bits: the command prints the scheme with the
 ``top`` of them at ``--bits`` (``+k8@11``: keys of layer 11 at 8 bits;
-``--part kv``: keys and values).
+``--part kv``: keys and values). ``--apply`` names the scheme the layers go
+to when it is not the calibrated one (calibrate the keys alone with 16-bit
+values, give the layers to the scheme with quantized values), and
+``--budget`` takes as many of the ranked layers as keep that scheme within
+so many bits per element (``schemes.average_bits`` at 4,096 tokens)::
+
+    python -m omlx_cache.layers --model models/SmolLM2-135M-Instruct-f32 \\
+        --kv codebook-4k-16v+center+qscale+exact8 \\
+        --apply codebook-4+center+qscale+exact8 --bits 5 --budget 4.6
 """
 
 import argparse
@@ -21,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import eval as kv_eval
@@ -62,6 +71,44 @@ def top_layers(errors, top: int) -> list[int]:
     return sorted(ranked[:top])
 
 
+def scheme_bits(model, name: str, context: int = kv_eval.AVERAGE_CONTEXT):
+    """Mean of the (key, value) bits per element ``name``'s caches store for
+    a sequence of ``context`` tokens (``schemes.average_bits``), from caches
+    that have seen a few tokens (a codebook cache learns its head dims);
+    None for caches it cannot count."""
+    cache = kv_schemes.get_scheme(name).make_cache(model)
+    mx.eval(model(mx.array([[1, 2, 3, 4]]), cache=cache))
+    bits = kv_schemes.average_bits(cache, context)
+    return None if bits is None else sum(bits) / 2
+
+
+def check_budget(model, name: str, budget: float):
+    """ValueError unless ``name`` alone fits in ``budget`` bits per element."""
+    bits = scheme_bits(model, name)
+    if bits is None:
+        raise ValueError(f"{name}: its caches have no bits per element to budget.")
+    if bits > budget:
+        raise ValueError(
+            f"{name} alone stores {bits:.3f} bits, over --budget {budget}."
+        )
+
+
+def layers_within(model, errors, name: str, bits: int, part: str, budget: float):
+    """The most of the layers ranked by ``errors`` that, at ``bits``, keep
+    ``name`` (which ``check_budget`` passed) within ``budget`` bits per
+    element (``scheme_bits``), in layer order."""
+
+    def fits(n):
+        layers = top_layers(errors, n)
+        return scheme_bits(model, with_layers(name, layers, bits, part)) <= budget
+
+    low, high = 0, len(errors)  # fits(low); the largest n that fits is in low..high
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return top_layers(errors, low)
+
+
 def with_layers(name: str, layers, bits: int, part: str = "k") -> str:
     """``name`` with ``layers`` at ``bits`` (``+k8@11.19``)."""
     if not layers:
@@ -89,17 +136,36 @@ def parse_args(argv=None):
     parser.add_argument("--windows", type=int, default=1)
     parser.add_argument("--window-tokens", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=128)
+    parser.add_argument(
+        "--apply",
+        metavar="SCHEME",
+        help="the scheme to give the layers to (default: --kv)",
+    )
     parser.add_argument("--top", type=int, default=1, help="layers to give more bits")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        metavar="BITS",
+        help="instead of --top: as many layers as keep the scheme within these "
+        "bits per element at 4096 tokens",
+    )
     parser.add_argument("--bits", type=int, default=8, help="their bits (default 8)")
     parser.add_argument("--part", choices=("k", "kv"), default="k")
     parser.add_argument("--dtype", choices=sorted(kv_eval.DTYPES))
     parser.add_argument("--out", help="write the errors to this JSON file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for name in filter(None, (args.kv, args.apply)):
+        try:
+            kv_schemes.get_scheme(name)
+        except ValueError as e:
+            parser.error(str(e))
+    return args
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
     scheme = kv_schemes.get_scheme(args.kv)
+    target = args.apply or args.kv
     model, tokenizer = kv_eval.load_model(args.model)
     if args.dtype:
         model.set_dtype(kv_eval.DTYPES[args.dtype])
@@ -107,6 +173,11 @@ def main(argv=None) -> dict:
     windows = kv_eval.make_windows(
         tokens, args.windows, args.window_tokens, tokenizer.bos_token_id
     )
+    if args.budget is not None:
+        try:
+            check_budget(model, target, args.budget)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
     if hint := kv_eval.blas_hint():
         print(hint, file=sys.stderr)
     tic = time.perf_counter()
@@ -114,10 +185,16 @@ def main(argv=None) -> dict:
     progress = kv_eval.Progress((num_layers + 1) * len(windows))
     errors = layer_errors(model, windows, scheme, args.chunk, progress)
     progress.close()
-    layers = top_layers(errors, args.top)
+    if args.budget is None:
+        layers = top_layers(errors, args.top)
+    else:
+        layers = layers_within(model, errors, target, args.bits, args.part, args.budget)
+    chosen = with_layers(target, layers, args.bits, args.part)
     report = {
         "model": args.model,
         "kv": args.kv,
+        "apply": target,
+        "budget": args.budget,
         "text": args.text,
         "skip": args.skip,
         "windows": args.windows,
@@ -127,13 +204,15 @@ def main(argv=None) -> dict:
         "layer_kld": errors,
         "share": [e / sum(errors) for e in errors],
         "top": layers,
-        "scheme": with_layers(args.kv, layers, args.bits, args.part),
+        "scheme": chosen,
+        "bits_per_element": scheme_bits(model, chosen),
         "seconds": time.perf_counter() - tic,
         "versions": kv_eval.versions(),
     }
     for i, (e, share) in enumerate(zip(errors, report["share"])):
         print(f"layer {i:3d}  KLD {e:.5f}  {100 * share:5.1f}%")
-    print(f"scheme: {report['scheme']}")
+    bits = report["bits_per_element"]
+    print(f"scheme: {chosen}" + (f" ({bits:.3f} bits at 4096 tokens)" if bits else ""))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

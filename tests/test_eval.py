@@ -361,6 +361,23 @@ def test_layer_bits_and_rule(model, windows):
     assert r["4+k8@1"]["high_layers"] == [1]
 
 
+def test_layers_within_budget(model):
+    from omlx_cache import layers
+
+    errors = [0.1, 0.3]  # layer 1 first
+    assert layers.scheme_bits(model, "4") == 4.5
+    assert layers.scheme_bits(model, "4+k8@1") == 5.5
+    for budget, chosen in ((4.5, []), (6.4, [1]), (6.5, [0, 1])):
+        assert layers.layers_within(model, errors, "4", 8, "k", budget) == chosen
+    assert layers.layers_within(model, errors, "4", 8, "kv", 6.4) == []
+    # a codebook cache knows its bits once it has seen its head dims
+    bits = layers.scheme_bits(model, "codebook-4")
+    assert bits == pytest.approx(4 + 16 / CONFIG["head_dim"])
+    with pytest.raises(ValueError, match="4.500 bits, over --budget 4.4"):
+        layers.check_budget(model, "4", 4.4)
+    layers.check_budget(model, "4", 4.5)
+
+
 def test_residual_scheme_bits(model):
     s = schemes.get_scheme("4+rotate+center+exact4+res16")
     caches = s.make_cache(model)
