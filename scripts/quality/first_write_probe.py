@@ -7,7 +7,9 @@
 A centered or weighted cache takes its means and key weights from its first write.
 The server's prompt cache makes that write short (a request that continues a cached
 prefix); this prints each scheme's answer from a fresh cache (the whole prompt as the
-first write) and after first writes of ``--first`` tokens.
+first write) and after first writes of ``--first`` tokens, and the log-probabilities
+of the first answer token's ``--top`` candidates from a fresh cache: how close the
+answer is to another.
 """
 
 import argparse
@@ -28,6 +30,16 @@ def answer(model, tokenizer, prompt, cache, first, max_tokens):
     return tokenizer.decode([int(token) for token, _ in steps])
 
 
+def first_token_logprobs(model, tokenizer, prompt, cache, top):
+    """The ``top`` likeliest first answer tokens and their log-probabilities."""
+    logits = model(mx.array([prompt]), cache=cache)[0, -1].astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits)
+    best = mx.argsort(-logprobs)[:top].tolist()
+    return ", ".join(
+        f"{tokenizer.decode([t])!r} {logprobs[t].item():.2f}" for t in best
+    )
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
@@ -35,6 +47,7 @@ def main():
     parser.add_argument("--prompt", default="What is the capital of France?")
     parser.add_argument("--first", type=int, nargs="+", default=[8, 26])
     parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--top", type=int, default=3)
     args = parser.parse_args()
     model, tokenizer = load(args.model)
     messages = [{"role": "user", "content": args.prompt}]
@@ -42,6 +55,10 @@ def main():
     print(f"{len(prompt)} prompt tokens")
     for name in args.kv:
         scheme = get_scheme(name)
+        candidates = first_token_logprobs(
+            model, tokenizer, prompt, scheme.make_cache(model), args.top
+        )
+        print(f"{name} | first token: {candidates}", flush=True)
         for first in [0, *args.first]:
             text = answer(
                 model,
