@@ -89,3 +89,39 @@ def test_reused_prefix_answers_as_a_fresh_cache(smollm2):
         for c in cache:
             c.trim(c.offset - shared)
         assert answer(b[shared:], cache) == fresh[after], (before, after)
+
+
+CQ4_SMOLLM2 = (
+    "codebook-4+center+qscale+exact8"
+    "+k5@1.2.3.8.9.10.11.12.13.14.16.17.18.19.21.22.23.26"
+)
+
+
+def test_calibrated_codebook_scheme_serves(smollm2):
+    """CQ4, as `omlx_cache.layers --budget 4.6` printed it for SmolLM2 (the
+    README's serve command): 5-bit keys in the listed layers, 4-bit values
+    everywhere, within the budget, and it answers through the server's
+    factory as fp16 KV does."""
+    from omlx_cache import layers
+    from omlx_cache.codebook import CodebookKVCache
+
+    model, tokenizer = smollm2
+    caches = server_caches.from_args(server_args(CQ4_SMOLLM2))(model)
+    high = {1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 16, 17, 18, 19, 21, 22, 23, 26}
+    assert all(type(c) is CodebookKVCache for c in caches)
+    assert [c.key_codec.bits for c in caches] == [
+        5 if i in high else 4 for i in range(len(caches))
+    ]
+    assert {c.value_codec.bits for c in caches} == {4}
+    assert all(c.keep_exact == 8 and c.center == "k" and c.key_scale for c in caches)
+    assert layers.scheme_bits(model, CQ4_SMOLLM2) == pytest.approx(4.589, abs=1e-3)
+
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTIONS[2]}], add_generation_prompt=True
+    )
+
+    steps = generate_step(mx.array(prompt), model, prompt_cache=caches, max_tokens=12)
+    served = tokenizer.decode([int(token) for token, _ in steps])
+    steps = generate_step(mx.array(prompt), model, max_tokens=12)
+    assert served == tokenizer.decode([int(token) for token, _ in steps])
+    assert "4" in served
