@@ -447,12 +447,21 @@ def paired_outcomes(reference: Sequence[dict], runs: Sequence[dict]) -> dict:
     """How a scheme's passkey trials differ from the reference's on the same
     prompts: keys ``lost`` (the reference retrieved them, the scheme did not),
     ``gained``, and the exact two-sided McNemar p-value of that difference
-    (a binomial test on the trials that differ)."""
+    (a binomial test on the trials that differ). Trials that carry the key's
+    log-probability (``passkey_trial``) add the mean paired difference of it
+    and that mean's standard error, ``logprob_delta`` and ``logprob_delta_se``:
+    a finer measure than found or not."""
     lost = sum(r["correct"] and not t["correct"] for r, t in zip(reference, runs))
     gained = sum(t["correct"] and not r["correct"] for r, t in zip(reference, runs))
     n, low = lost + gained, min(lost, gained)
     tail = sum(math.comb(n, i) for i in range(low + 1)) / 2**n if n else 1.0
-    return {"lost": lost, "gained": gained, "p": min(1.0, 2 * tail)}
+    outcomes = {"lost": lost, "gained": gained, "p": min(1.0, 2 * tail)}
+    pairs = [(r, t) for r, t in zip(reference, runs) if "answer_logprob" in r]
+    if pairs and all("answer_logprob" in t for _, t in pairs):
+        delta = np.array([t["answer_logprob"] - r["answer_logprob"] for r, t in pairs])
+        se = delta.std(ddof=1) / math.sqrt(delta.size) if delta.size > 1 else 0.0
+        outcomes.update(logprob_delta=float(delta.mean()), logprob_delta_se=float(se))
+    return outcomes
 
 
 # ---------------------------------------------------------------------------

@@ -300,7 +300,8 @@ def test_passkey_keys_pair_with_the_reference(tmp_path, model):
     # the first key per depth is the one a run of one key per depth uses
     assert runs[1]["key"] == kv_eval.passkey_key(300, 1)
     vs = results[1]["300"]["vs_reference"]
-    assert set(vs) == {"lost", "gained", "p"} and 0 <= vs["p"] <= 1
+    assert set(vs) == {"lost", "gained", "p", "logprob_delta", "logprob_delta_se"}
+    assert 0 <= vs["p"] <= 1
 
 
 def test_scheme_that_does_not_fit_fails_first(tmp_path, model):
@@ -325,6 +326,15 @@ def test_paired_outcomes():
     assert (vs["lost"], vs["gained"], vs["p"]) == (1, 1, 1.0)
     r = {"passkey": {"8192": {"correct": 6, "trials": 8, "vs_reference": vs}}}
     assert kv_eval.format_passkey(r) == "8192: 6/8 (-1 +1)"
+
+    def scored(logprobs):
+        return [{"correct": True, "answer_logprob": x} for x in logprobs]
+
+    vs = kv_eval.paired_outcomes(scored([-1.0, -2.0, -3.0]), scored([-1.5, -2.0, -4.0]))
+    assert vs["logprob_delta"] == pytest.approx(-0.5)
+    assert vs["logprob_delta_se"] == pytest.approx(
+        np.std([-0.5, 0, -1], ddof=1) / 3**0.5
+    )
 
 
 def test_layer_bits_and_rule(model, windows):
