@@ -388,6 +388,25 @@ def test_layers_within_budget(model):
     layers.check_budget(model, "4", 4.5)
 
 
+def test_layers_main_budget(tmp_path, model, capsys):
+    from omlx_cache import layers
+
+    argv = [*model_and_text(tmp_path, model), "--skip", "0", "--window-tokens", "48"]
+    argv += ["--chunk", "16", "--kv", "4+rotate", "--apply", "4", "--bits", "8"]
+    with pytest.raises(
+        SystemExit, match="4 alone stores 4.500 bits, over --budget 4.4"
+    ):
+        layers.main([*argv, "--budget", "4.4"])
+    out = tmp_path / "layers.json"
+    report = layers.main([*argv, "--budget", "5.5", "--out", str(out)])
+    assert json.loads(out.read_text())["scheme"] == report["scheme"]
+    (top,) = report["top"]  # one layer at 8 bits fits in 5.5, two do not
+    assert report["layer_kld"][top] == max(report["layer_kld"])
+    assert report["scheme"] == f"4+k8@{top}" and report["bits_per_element"] == 5.5
+    assert report["apply"] == "4" and report["budget"] == 5.5
+    assert f"scheme: 4+k8@{top} (5.500 bits at 4096 tokens)" in capsys.readouterr().out
+
+
 def test_residual_scheme_bits(model):
     s = schemes.get_scheme("4+rotate+center+exact4+res16")
     caches = s.make_cache(model)
