@@ -9,9 +9,9 @@ those flags (and ``--prompt-cache-size 0``: every prompt computed from
 scratch), sends each passkey prompt of ``omlx_cache.eval`` (the same keys,
 depths and filler) as a plain completion at temperature 0 and counts the
 answers that contain the key. ``--alone`` sends a seed with each request,
-which the server serves on its own instead of through its batch generator. Settings after the first are paired with
-the first's trials (keys lost and gained, McNemar p). Prints a table and
-writes JSON.
+which the server serves on its own instead of through its batch generator.
+Settings after the first are paired with the first's trials (keys lost and
+gained, McNemar p). Prints a table and writes JSON.
 """
 
 import argparse
