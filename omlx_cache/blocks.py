@@ -44,7 +44,8 @@ from . import unified_memory
 from .codebook import CodebookKVCache
 
 FORMAT = "omlx-prefix-block"
-FORMAT_VERSION = 1
+# 2: five-bit codebook indices stored as low and high bits (codebook.split_5bit)
+FORMAT_VERSION = 2
 SUFFIX = ".safetensors"
 CRC_FIELD = '"crc32":"{}"'
 NO_CRC = "00000000"

@@ -221,6 +221,17 @@ def _layout3():
     }
 
 
+def split_5bit():
+    """Where the high bit of element r (0..31) of a block of 32 five-bit
+    indices lies in the block's word 4; words 0-3 hold the low four bits as
+    4-bit packing does (element r at bit 4 (r % 8) of word r // 8). The high
+    bits of r and r + 4, which share a byte of a low word, are 16 bits apart
+    (4 (r // 8) + r % 4 and 16 more), so that a decoder gets a pair of
+    indices from two shift-and-masks (``codebook_kernel``)."""
+    r = np.arange(32)
+    return 16 * ((r % 8) // 4) + 4 * (r // 8) + r % 4
+
+
 def packed_dim(dim: int, bits: int) -> int:
     """uint32 words holding ``dim`` indices of ``bits`` bits."""
     per = _layout(bits)["per"]
@@ -232,10 +243,13 @@ def packed_dim(dim: int, bits: int) -> int:
 def pack(indices: mx.array, bits: int) -> mx.array:
     """Pack the last axis of ``indices`` (each < 2**bits) into uint32 words with
     no unused bit: (..., D) -> (..., D * bits / 32). Three-bit indices are
-    stored as sign and magnitude (``sign_magnitude_3bit``), other widths
+    stored as sign and magnitude (``sign_magnitude_3bit``), five-bit ones as
+    their low four bits and their high bits (``split_5bit``), other widths
     densely in order, an index spilling into the next word where it must."""
     if bits == 3:
         return _pack3(indices)
+    if bits == 5:
+        return _pack5(indices)
     lay = _layout(bits)
     dim = indices.shape[-1]
     words = packed_dim(dim, bits)
@@ -251,6 +265,8 @@ def unpack(packed: mx.array, bits: int) -> mx.array:
     """The uint32 indices that ``pack`` packed: (..., W) -> (..., W * 32 / bits)."""
     if bits == 3:
         return _unpack3(packed)
+    if bits == 5:
+        return _unpack5(packed)
     lay = _layout(bits)
     words = packed.shape[-1]
     blocks = packed.reshape(*packed.shape[:-1], words // lay["words"], lay["words"])
@@ -282,6 +298,30 @@ def _unpack3(packed: mx.array) -> mx.array:
     sign = (blocks[..., 2:3] >> lay["sign_shift"]) & 1
     indices = (sign << 2) | ((mags & 3) ^ ((sign ^ 1) * 3))
     return indices.reshape(*packed.shape[:-1], words * 32 // 3)
+
+
+@lru_cache
+def _high_shift5():
+    return mx.array(split_5bit(), mx.uint32)
+
+
+def _pack5(indices: mx.array) -> mx.array:
+    dim = indices.shape[-1]
+    words = packed_dim(dim, 5)
+    blocks = indices.astype(mx.uint32).reshape(-1, dim // 32, 32)
+    low = pack(blocks & 15, 4)
+    high = ((blocks >> 4) << _high_shift5()).sum(axis=-1, keepdims=True)
+    out = mx.concatenate([low, high], axis=-1)
+    return out.reshape(*indices.shape[:-1], words)
+
+
+def _unpack5(packed: mx.array) -> mx.array:
+    words = packed.shape[-1]
+    blocks = packed.reshape(*packed.shape[:-1], words // 5, 5)
+    low = unpack(blocks[..., :4], 4)
+    high = (blocks[..., 4:] >> _high_shift5()) & 1
+    indices = low | (high << 4)
+    return indices.reshape(*packed.shape[:-1], words * 32 // 5)
 
 
 # ---------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Three ``mx.fast.cuda_kernel``s (and a combine step) stand in for the MLX ops
 of ``omlx_cache.codebook`` where they apply (CUDA, compute capability 8.0 or
-later, 3- or 4-bit ``Codebook`` codecs with a Hadamard rotation or none, head
-dims 64, 128 and 256); the ops path stays the fallback everywhere else and the
+later, 3- to 5-bit ``Codebook`` codecs with a Hadamard rotation or none (5-bit
+values decode on the ops path), head dims 64, 128 and 256); the ops path stays the fallback everywhere else and the
 reference in the tests.
 
 - ``encode``: a warp per vector rotates it (a fast Walsh-Hadamard transform in
@@ -19,12 +19,14 @@ reference in the tests.
   become halves in registers: the magnitudes of a pair of elements select
   their two halves from a table of the positive levels in two registers
   (one byte permute), the sign bits are XORed in (3-bit: ``codebook``'s
-  sign-magnitude layout; 4-bit: two permutes and a select). The norms are not
-  multiplied into the levels: a key's score is scaled by its norm, and a
-  value's norm is folded into its probabilities. Queries are rotated in the
-  kernel, scores and the online softmax are float32, and the combine kernel
-  rotates the output back. Masks as in patch 0011 (one row of keys per
-  sequence: batched decode with left padding).
+  sign-magnitude layout; 4-bit: two permutes and a select; 5-bit keys: the
+  high bits of a pair from a fifth word (``codebook``'s ``split_5bit``), four
+  permutes and three selects). The norms are not multiplied into the levels:
+  a key's score is scaled by its norm, and a value's norm is folded into its
+  probabilities. Queries are rotated in the kernel, scores and the online
+  softmax are float32, and the combine kernel rotates the output back. Masks
+  as in patch 0011 (one row of keys per sequence: batched decode with left
+  padding).
 - ``prefill_attention`` (more than one query): the cache's keys and values
   decoded to the queries' dtype by a kernel (a warp per vector: levels times
   norm, rotated back) and ``mx.fast.scaled_dot_product_attention`` over them.
@@ -46,6 +48,7 @@ WARPS = 4
 COMBINE_WARPS = 16
 MAX_PAGES = 32
 ENCODE_WARPS = 4
+VALUE_BITS = (3, 4)  # the decode kernel's value widths (keys: 3 to 5)
 
 
 def _half_bits(x) -> int:
@@ -66,10 +69,11 @@ def _floats(values) -> str:
 
 @functools.cache
 def _header() -> str:
-    lv3, lv4 = (np.array(lloyd_max(b)[0]) for b in (3, 4))
-    thr3, thr4 = ((lv[1:] + lv[:-1]) / 2 for lv in (lv3, lv4))
+    lv3, lv4, lv5 = (np.array(lloyd_max(b)[0]) for b in (3, 4, 5))
+    thr3, thr4, thr5 = ((lv[1:] + lv[:-1]) / 2 for lv in (lv3, lv4, lv5))
     # positive levels by magnitude: 0 next to zero
-    t3, t4 = _pairs(lv3[4:]), _pairs(lv4[8:])
+    t3, t4, t5 = _pairs(lv3[4:]), _pairs(lv4[8:]), _pairs(lv5[16:])
+    cb5 = "\n".join(f"#define CB5_{i} {w}u" for i, w in enumerate(t5))
     return f"""
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -81,10 +85,13 @@ def _header() -> str:
 #define CB4_1 {t4[1]}u
 #define CB4_2 {t4[2]}u
 #define CB4_3 {t4[3]}u
+{cb5}
 __constant__ float CB_LEVELS3[8] = {{{_floats(lv3)}}};
 __constant__ float CB_LEVELS4[16] = {{{_floats(lv4)}}};
+__constant__ float CB_LEVELS5[32] = {{{_floats(lv5)}}};
 __constant__ float CB_EDGES3[7] = {{{_floats(thr3)}}};
 __constant__ float CB_EDGES4[15] = {{{_floats(thr4)}}};
+__constant__ float CB_EDGES5[31] = {{{_floats(thr5)}}};
 
 __device__ __forceinline__ void mma_16x8x16(
     float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {{
@@ -124,6 +131,31 @@ __device__ __forceinline__ uint32_t cb4_pair(uint32_t t) {{
   const uint32_t hi = prmt(CB4_2, CB4_3, sel);
   const uint32_t mask = ((mag >> 2) & 0x00010001u) * 0xFFFFu;
   return ((lo & ~mask) | (hi & mask)) ^ ((~t << 12) & 0x80008000u);
+}}
+
+// 5-bit: indices of elements a and b at bits 0-4 and 16-20 of t; the
+// magnitude's low bits pick a pair from each of four words of the positive
+// levels, its high bits one of the four
+__device__ __forceinline__ uint32_t cb5_pair(uint32_t t) {{
+  const uint32_t flip = ((~t >> 4) & 0x00010001u) * 15u;
+  const uint32_t mag = (t & 0x000F000Fu) ^ flip;
+  const uint32_t low = mag & 0x00030003u;
+  const uint32_t sel = ((low | (low >> 8)) & 0x0303u) * 0x22u + 0x1010u;
+  const uint32_t odd = ((mag >> 2) & 0x00010001u) * 0xFFFFu;
+  const uint32_t upper = ((mag >> 3) & 0x00010001u) * 0xFFFFu;
+  const uint32_t l0 = prmt(CB5_0, CB5_1, sel);
+  const uint32_t l1 = prmt(CB5_2, CB5_3, sel);
+  const uint32_t l2 = prmt(CB5_4, CB5_5, sel);
+  const uint32_t l3 = prmt(CB5_6, CB5_7, sel);
+  const uint32_t lo = (l0 & ~odd) | (l1 & odd);
+  const uint32_t hi = (l2 & ~odd) | (l3 & odd);
+  return ((lo & ~upper) | (hi & upper)) ^ ((~t << 11) & 0x80008000u);
+}}
+
+// 5-bit rows: a pair's two high bits (codebook.split_5bit) at bits 4 and 20,
+// for the elements at nibble j and j + 4 of word w of a 32-element block
+__device__ __forceinline__ uint32_t high_pair5(uint32_t high, int w, int j) {{
+  return ((high >> (4 * w + j)) & 0x00010001u) << 4;
 }}
 
 // 2^x, subnormal results flushed to zero (no range fix-up around MUFU.EX2)
@@ -219,14 +251,20 @@ _ENCODE_SOURCE = """
             for (int t = 0; t < 7; ++t) {
                 c += z > CB_EDGES3[t];
             }
-        } else {
+        } else if (BITS == 4) {
             #pragma unroll
             for (int t = 0; t < 15; ++t) {
                 c += z > CB_EDGES4[t];
             }
+        } else {
+            #pragma unroll
+            for (int t = 0; t < 31; ++t) {
+                c += z > CB_EDGES5[t];
+            }
         }
         idx[i] = c;
-        const float level = (BITS == 3 ? CB_LEVELS3[c] : CB_LEVELS4[c]) / sqrt_d;
+        const float level =
+            (BITS == 3 ? CB_LEVELS3[c] : BITS == 4 ? CB_LEVELS4[c] : CB_LEVELS5[c]) / sqrt_d;
         dot += unit * level;
         dec_sq += level * level;
     }
@@ -265,13 +303,21 @@ _ENCODE_SOURCE = """
                 out[3 * i + 2] = sw;
             }
         } else {
-            // eight indices per word, in order
+            // eight indices per word, in order (5-bit: their low four bits,
+            // the high bits in a fifth word: codebook.split_5bit)
             #pragma unroll
             for (int w = 0; w < 4; ++w) {
                 const uint32_t word = __reduce_or_sync(
-                    0xffffffff, (lane >> 3) == w ? c << (4 * (lane & 7)) : 0u);
+                    0xffffffff, (lane >> 3) == w ? (c & 15u) << (4 * (lane & 7)) : 0u);
                 if (lane == 0) {
-                    out[4 * i + w] = word;
+                    out[BITS * i + w] = word;
+                }
+            }
+            if (BITS == 5) {
+                const int at = 16 * ((lane >> 2) & 1) + 4 * (lane >> 3) + (lane & 3);
+                const uint32_t high = __reduce_or_sync(0xffffffff, (c >> 4) << at);
+                if (lane == 0) {
+                    out[5 * i + 4] = high;
                 }
             }
         }
@@ -306,9 +352,13 @@ _DEQUANT_SOURCE = """
             const uint32_t sign =
                 (row[3 * i + 2] >> (mw * 8 + (k >> 1) * 4 + j + 16 * (k & 1))) & 1u;
             level = CB_LEVELS3[sign ? 4 + mag : 3 - mag];
-        } else {
+        } else if (BITS == 4) {
             const uint32_t c = (row[4 * i + (lane >> 3)] >> (4 * (lane & 7))) & 15u;
             level = CB_LEVELS4[c];
+        } else {
+            const uint32_t low = (row[5 * i + (lane >> 3)] >> (4 * (lane & 7))) & 15u;
+            const int at = 16 * ((lane >> 2) & 1) + 4 * (lane >> 3) + (lane & 3);
+            level = CB_LEVELS5[low | (((row[5 * i + 4] >> at) & 1u) << 4)];
         }
         v[i] = level * scale;
     }
@@ -341,7 +391,9 @@ _DECODE_SOURCE = """
     constexpr int VW = D * VB / 32;              // and per value row
     constexpr int KHB = KC / 16;                 // 3-bit: half-blocks per lane,
     constexpr int KSW = KHB > 1 ? KHB / 2 : 1;   // their sign words
-    constexpr int KL = KB == 3 ? KHB + KSW : KC / 8;   // a lane's words of a key
+    constexpr int KTW = KC >= 32 ? KC / 32 : 1;  // 5-bit: high-bit words
+    // a lane's words of a key
+    constexpr int KL = KB == 3 ? KHB + KSW : KB == 5 ? KC / 8 + KTW : KC / 8;
     constexpr int VMW = VC >= 16 ? VC / 16 : 1;
     constexpr int VL = VB == 3 ? VMW + 1 : (VC >= 8 ? VC / 8 : 1);
     const float neg_inf = __int_as_float(0xff800000);
@@ -584,8 +636,17 @@ _DECODE_SOURCE = """
     const size_t rows = (size_t)bh * page_size;
     // a lane's words of a key row: k_first + k_word(i), the offsets known at
     // compile time where the lane's dims are whole 32-element blocks
-    const int k_first = KB == 3 && KHB == 1 ? (pos >> 1) * 3 : pos * KL;
+    const int k_first = KB == 3 && KHB == 1 ? (pos >> 1) * 3
+                        : KB == 5             ? (pos * KC / 32) * 5
+                                              : pos * KL;
+    // (5-bit: the low-bit words, then the high-bit words of the lane's blocks)
     auto k_word = [&](int i) {
+        if (KB == 5) {
+            if (KC == 16) {
+                return i < 2 ? (pos & 1) * 2 + i : 4;
+            }
+            return i < KC / 8 ? (i / 4) * 5 + i % 4 : (i - KC / 8) * 5 + 4;
+        }
         if (KB == 3) {
             if (KHB == 1) {
                 return i == 0 ? (pos & 1) : 2;
@@ -696,6 +757,14 @@ _DECODE_SOURCE = """
                         const int pair = ((pos * KHB + h) & 1) * 8 + kk * 4 + j;
                         const uint32_t sw = t.k[r][KHB + (KHB > 1 ? h / 2 : 0)];
                         a_key[r][c] = cb3_pair(t.k[r][h], 16 * kk + 2 * j, neg_bits(sw, 15 - pair));
+                    } else if (KB == 5) {
+                        // the low-bit word w of the lane's, word w_in of its block
+                        const int w = p / 4;
+                        const int j = p % 4;
+                        const int w_in = KC == 16 ? (pos & 1) * 2 + w : w % 4;
+                        const uint32_t high = t.k[r][KC / 8 + (KC >= 32 ? w / 4 : 0)];
+                        a_key[r][c] = cb5_pair(((t.k[r][w] >> (4 * j)) & 0x000F000Fu) |
+                                               high_pair5(high, w_in, j));
                     } else {
                         const int w = p / 4;
                         const int j = p % 4;
@@ -1077,11 +1146,12 @@ def _on_cuda() -> bool:
     return _enabled[-1] and mx.default_device() == mx.gpu and _cuda_available()
 
 
-def _rotates(codec) -> bool | None:
-    """Whether a codec the kernels take is rotated (None: not taken). The
+def _rotates(codec, widths=(3, 4, 5)) -> bool | None:
+    """Whether a codec the kernels take is rotated (None: not taken): one of
+    ``widths`` bits (the decode kernel reads 5-bit keys, not values). The
     kernels read and write float16 norms: 8-bit ones (``-n8``) take the ops
     path."""
-    if not isinstance(codec, Codebook) or codec.bits not in (3, 4):
+    if not isinstance(codec, Codebook) or codec.bits not in widths:
         return None
     if codec.norm_bits != NORM_BITS:
         return None
@@ -1108,7 +1178,7 @@ def holds(keys, values, key_codec, value_codec) -> bool:
         D in (64, 128, 256)
         and values.shape[-1] == D
         and _rotates(key_codec) is not None
-        and _rotates(value_codec) is not None
+        and _rotates(value_codec, VALUE_BITS) is not None
         and _on_cuda()
     )
 
@@ -1138,6 +1208,8 @@ def applies(
         return False
     if L > 1:
         return held is None
+    if _rotates(value_codec, VALUE_BITS) is None:
+        return False
     return n_q_heads // n_kv_heads <= 8 and qd._mask_kind(mask, B, length) is not None
 
 

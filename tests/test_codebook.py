@@ -77,7 +77,7 @@ def test_lloyd_max_mse_of_a_unit_gaussian():
     assert abs(np.mean((x - nearest) ** 2) - mse) < 1e-3
 
 
-@pytest.mark.parametrize("bits,dim", itertools.product([3, 4], [64, 128, 256]))
+@pytest.mark.parametrize("bits,dim", itertools.product([3, 4, 5], [64, 128, 256]))
 def test_pack_round_trip_without_wasted_bits(bits, dim):
     mx.random.seed(bits * dim)
     indices = mx.random.randint(0, 1 << bits, (2, 3, 5, dim)).astype(mx.uint32)

@@ -25,6 +25,7 @@ from omlx_cache.codebook import (
     pack,
     rotate,
     sign_magnitude_3bit,
+    split_5bit,
     unpack,
 )
 
@@ -47,6 +48,17 @@ def test_three_bit_layout_is_sign_and_magnitude():
     assert (np.array(unpack(mx.array(words), 3)) == indices).all()
 
 
+def test_five_bit_layout_splits_off_the_high_bits():
+    # the low four bits as 4-bit packing; high bits of elements 0 and 4 at
+    # bits 0 and 16 of word 4, of element 9 (word 1, nibble 1) at bit 5
+    assert list(split_5bit()[[0, 4, 9, 31]]) == [0, 16, 5, 31]
+    indices = np.arange(32, dtype=np.uint32)
+    words = np.array(pack(mx.array(indices), 5))
+    assert (words[:4] == np.array(pack(mx.array(indices & 15), 4))).all()
+    assert words[4] == sum(1 << int(s) for s in split_5bit()[16:])
+    assert (np.array(unpack(mx.array(words), 5)) == indices).all()
+
+
 def _byte_perm(x, y, s):
     b = [(x >> (8 * i)) & 255 for i in range(4)] + [
         (y >> (8 * i)) & 255 for i in range(4)
@@ -55,7 +67,8 @@ def _byte_perm(x, y, s):
 
 
 class _Emulated:
-    """The kernel's cb3_pair / cb4_pair in numpy, with its constants."""
+    """The kernel's cb3_pair / cb4_pair / cb5_pair in numpy, with its
+    constants."""
 
     def __init__(self):
         header = codebook_kernel._header()
@@ -80,16 +93,32 @@ class _Emulated:
         neg = ((~t & 0xFFFFFFFF) << 12) & 0x80008000
         return ((lo & ~mask & 0xFFFFFFFF) | (hi & mask)) ^ neg
 
+    def cb5(self, t):
+        flip = (((~t & 0xFFFFFFFF) >> 4) & 0x00010001) * 15
+        mag = (t & 0x000F000F) ^ flip
+        low = mag & 0x00030003
+        sel = (((low | (low >> 8)) & 0x0303) * 0x22 + 0x1010) & 0xFFFFFFFF
+        parts = [
+            _byte_perm(self.c[f"CB5_{2 * i}"], self.c[f"CB5_{2 * i + 1}"], sel)
+            for i in range(4)
+        ]
+        odd = ((mag >> 2) & 0x00010001) * 0xFFFF
+        upper = ((mag >> 3) & 0x00010001) * 0xFFFF
+        lo = (parts[0] & ~odd & 0xFFFFFFFF) | (parts[1] & odd)
+        hi = (parts[2] & ~odd & 0xFFFFFFFF) | (parts[3] & odd)
+        neg = ((~t & 0xFFFFFFFF) << 11) & 0x80008000
+        return ((lo & ~upper & 0xFFFFFFFF) | (hi & upper)) ^ neg
+
 
 def _halves(u):
     return np.array([u & 0xFFFF, u >> 16], np.uint16).view(np.float16)
 
 
-@pytest.mark.parametrize("bits,dim", itertools.product([3, 4], [64, 128, 256]))
+@pytest.mark.parametrize("bits,dim", itertools.product([3, 4, 5], [64, 128, 256]))
 def test_kernel_reads_every_code_as_its_level(bits, dim):
     """The decode kernel's key and value operands, emulated lane by lane, are
     the levels of the packed indices at the dims the queries and the output
-    give them."""
+    give them (5-bit: keys only)."""
     em = _Emulated()
     levels = np.array(lloyd_max(bits)[0])
     idx = np.random.default_rng(bits * dim).integers(0, 1 << bits, (4, dim))
@@ -108,12 +137,23 @@ def test_kernel_reads_every_code_as_its_level(bits, dim):
                 sign = words[r, (gh // 2) * 3 + 2]
                 pair = (gh & 1) * 8 + kk * 4 + j
                 u = em.cb3(mag, 16 * kk + 2 * j, em.neg(sign, 15 - pair))
+            elif bits == 5:
+                # the kernel's k_first + k_word(i) and high_pair5
+                w, j = p // 4, p % 4
+                block = (pos * KC + 8 * w) // 32
+                w_in = (pos * KC + 8 * w) % 32 // 8
+                low = (words[r, block * 5 + w_in] >> (4 * j)) & 0x000F000F
+                high = (words[r, block * 5 + 4] >> (4 * w_in + j)) & 0x00010001
+                u = em.cb5(low | (high << 4))
             else:
                 u = em.cb4(
                     (words[r, pos * (KC // 8) + p // 4] >> (4 * (p % 4))) & 0x000F000F
                 )
             assert (_halves(u) == want[r, [a, a + 4]]).all()
             seen_k.update((a, a + 4))
+    if bits == 5:
+        assert seen_k == set(range(dim))
+        return
     for quad in range(8):  # values: a lane's eighth of a row, two keys per operand
         start = quad * VC
         for g8, j, kp in itertools.product(range(VC // 8), range(4), range(2)):
@@ -184,6 +224,13 @@ def test_kernels_take_only_float16_norms():
     assert codebook_kernel._rotates(Codebook(3)) is True
     assert codebook_kernel._rotates(Codebook(3, "none")) is False
     assert codebook_kernel._rotates(Codebook(3, norm_bits=8)) is None
+
+
+def test_kernels_take_five_bit_keys_not_values():
+    # encode and dequantize take 3 to 5 bits; the decode kernel 5-bit keys only
+    assert codebook_kernel._rotates(Codebook(5)) is True
+    assert codebook_kernel._rotates(Codebook(5), codebook_kernel.VALUE_BITS) is None
+    assert codebook_kernel._rotates(Codebook(6)) is None
 
 
 def test_decode_kernel_name_says_its_input_types():
@@ -304,7 +351,8 @@ def _reference(queries, cache, scale, mask=None):
 
 @cuda_only
 @pytest.mark.parametrize(
-    "bits,dim,rotation", itertools.product([3, 4], [64, 128, 256], ["hadamard", "none"])
+    "bits,dim,rotation",
+    itertools.product([3, 4, 5], [64, 128, 256], ["hadamard", "none"]),
 )
 def test_encode_and_dequantize_kernels(bits, dim, rotation):
     codec = Codebook(bits, rotation)
@@ -339,6 +387,10 @@ def test_encode_and_dequantize_kernels(bits, dim, rotation):
         ((4, 3), (9, 3), 64, 777, 256, "k", {"keep_exact": 5, "key_scale": "q"}),
         # kept tokens in the first of 33 pages: two decode launches
         ((3, 3), (8, 2), 64, 4200, 128, "", {"keep_exact": 4}),
+        # 5-bit keys (CQ4's layers), each head dim's words per lane
+        ((5, 4), (32, 8), 128, 3000, 1024, "", {}),
+        ((5, 3), (16, 4), 256, 2500, 1024, "k", {}),
+        ((5, 4), (9, 3), 64, 777, 256, "kv", {"keep_exact": 8, "key_scale": "q"}),
     ],
 )
 def test_attention_kernels_against_float32(
