@@ -24,16 +24,47 @@ so many bits per element (``schemes.average_bits`` at 4,096 tokens)::
 """
 
 import argparse
+import hashlib
 import json
+import os
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
 from . import eval as kv_eval
 from . import schemes as kv_schemes
+
+
+def sampled_tokens(model, count: int = 512, seed: int = 0, progress=None):
+    """``count`` tokens the model samples itself (temperature 1, fp16 KV)
+    after one token drawn at random from its vocabulary: a calibration text
+    that needs no data, the same for a model, dtype and device given the
+    ``seed``. ``progress``: an ``eval.Progress`` stepped per token."""
+    key = mx.random.key(seed)
+
+    def next_key():
+        nonlocal key
+        key, use = mx.random.split(key)
+        return use
+
+    first = mx.random.randint(0, model.args.vocab_size, (1,), key=next_key())
+
+    def sampler(logprobs):
+        return mx.random.categorical(logprobs, key=next_key())
+
+    tokens = [first.item()]
+    for token, _ in generate_step(first, model, max_tokens=count - 1, sampler=sampler):
+        tokens.append(int(token))
+        if progress:
+            progress.step()
+    return mx.array(tokens)
 
 
 def layer_errors(
@@ -109,6 +140,115 @@ def layers_within(model, errors, name: str, bits: int, part: str, budget: float)
     return top_layers(errors, low)
 
 
+# Layers fitted by ``fitted_layers``: in memory per model, and on disk
+SAMPLED_TOKENS = 512
+FIT_VERSION = 1
+_fitted = {}  # id(model): (a weak reference to it, {settings: layers})
+
+
+def _known_fits(model) -> dict:
+    entry = _fitted.get(id(model))
+    if entry is None or entry[0]() is not model:
+        entry = _fitted[id(model)] = (weakref.ref(model), {})
+    return entry[1]
+
+
+def fit_dir() -> Path:
+    """Where fitted layer lists are kept: ``$OMLX_CACHE_HOME/layers``, by
+    default ``~/.cache/omlx-cache/layers``."""
+    root = os.environ.get("OMLX_CACHE_HOME") or Path.home() / ".cache" / "omlx-cache"
+    return Path(root) / "layers"
+
+
+def model_fingerprint(model) -> str:
+    """A digest of the model's parameters: names, shapes, types and the first
+    values of each."""
+    digest = hashlib.sha256()
+    for name, x in tree_flatten(model.parameters()):
+        digest.update(f"{name} {x.shape} {x.dtype}".encode())
+        digest.update(np.array(x.reshape(-1)[:64].astype(mx.float32)).tobytes())
+    return digest.hexdigest()
+
+
+def _read_fit(path: Path):
+    """The layers stored at ``path``, or None where there is no readable list."""
+    try:
+        layers = json.loads(path.read_text())["layers"]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(
+            f"omlx_cache.layers: ignoring {path} ({e}); fitting again", file=sys.stderr
+        )
+        return None
+    if not isinstance(layers, list) or not all(isinstance(i, int) for i in layers):
+        print(f"omlx_cache.layers: ignoring {path} (no layer list)", file=sys.stderr)
+        return None
+    return layers
+
+
+def _write_fit(path: Path, report: dict):
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.with_suffix(f".{os.getpid()}.tmp")
+        temp.write_text(json.dumps(report, indent=2) + "\n")
+        os.replace(temp, path)
+    except OSError as e:
+        print(
+            f"omlx_cache.layers: cannot keep the fit in {path} ({e})", file=sys.stderr
+        )
+
+
+def fitted_layers(model, name: str, measure: str, bits: int, part: str, budget: float):
+    """The layers that ``name`` gives ``bits`` (``part``) within ``budget``
+    bits per element (``layers_within``), ranked by ``measure``'s per-layer
+    error on ``SAMPLED_TOKENS`` tokens the model samples itself: no data, and
+    one fit per model, kept in memory and in ``fit_dir()``. ValueError when
+    ``name`` alone is over the budget."""
+    settings = {
+        "name": name,
+        "measure": measure,
+        "bits": bits,
+        "part": part,
+        "budget": budget,
+        "sampled": SAMPLED_TOKENS,
+        "dtype": kv_eval.model_dtype(model),
+        "version": FIT_VERSION,
+    }
+    key = json.dumps(settings, sort_keys=True)
+    known = _known_fits(model)
+    if key in known:
+        return known[key]
+    digest = hashlib.sha256((model_fingerprint(model) + key).encode()).hexdigest()
+    path = fit_dir() / f"{digest[:32]}.json"
+    layers = _read_fit(path)
+    if layers is None:
+        check_budget(model, name, budget)
+        tic = time.perf_counter()
+        num_layers = len(make_prompt_cache(model))
+        print(
+            f"omlx_cache.layers: fitting {name} to {budget} bits per element "
+            f"(once per model: {SAMPLED_TOKENS} sampled tokens, "
+            f"{num_layers + 1} passes over them)",
+            file=sys.stderr,
+        )
+        progress = kv_eval.Progress(SAMPLED_TOKENS - 1 + num_layers + 1)
+        progress.label = "sampling"
+        windows = sampled_tokens(model, SAMPLED_TOKENS, 0, progress)[None]
+        errors = layer_errors(
+            model, windows, kv_schemes.get_scheme(measure), 128, progress
+        )
+        progress.close()
+        layers = layers_within(model, errors, name, bits, part, budget)
+        report = dict(settings, layer_kld=errors, layers=layers)
+        report["scheme"] = with_layers(name, layers, bits, part)
+        report["seconds"] = time.perf_counter() - tic
+        _write_fit(path, report)
+        print(f"omlx_cache.layers: {report['scheme']} ({path})", file=sys.stderr)
+    known[key] = layers
+    return layers
+
+
 def with_layers(name: str, layers, bits: int, part: str = "k") -> str:
     """``name`` with ``layers`` at ``bits`` (``+k8@11.19``)."""
     if not layers:
@@ -133,6 +273,14 @@ def parse_args(argv=None):
         help="tokens of the text skipped first (default 100000: past what "
         "omlx_cache.eval scores)",
     )
+    parser.add_argument(
+        "--sampled",
+        type=int,
+        metavar="N",
+        help="calibrate on N tokens the model samples itself (sampled_tokens) "
+        "instead of --text",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="for --sampled")
     parser.add_argument("--windows", type=int, default=1)
     parser.add_argument("--window-tokens", type=int, default=512)
     parser.add_argument("--chunk", type=int, default=128)
@@ -169,10 +317,6 @@ def main(argv=None) -> dict:
     model, tokenizer = kv_eval.load_model(args.model)
     if args.dtype:
         model.set_dtype(kv_eval.DTYPES[args.dtype])
-    tokens = kv_eval.encode(tokenizer, kv_eval.read_text(args.text))[args.skip :]
-    windows = kv_eval.make_windows(
-        tokens, args.windows, args.window_tokens, tokenizer.bos_token_id
-    )
     if args.budget is not None:
         try:
             check_budget(model, target, args.budget)
@@ -181,6 +325,16 @@ def main(argv=None) -> dict:
     if hint := kv_eval.blas_hint():
         print(hint, file=sys.stderr)
     tic = time.perf_counter()
+    if args.sampled:
+        progress = kv_eval.Progress(args.sampled - 1)
+        progress.label = "sampling"
+        windows = sampled_tokens(model, args.sampled, args.seed, progress)[None]
+        progress.close()
+    else:
+        tokens = kv_eval.encode(tokenizer, kv_eval.read_text(args.text))[args.skip :]
+        windows = kv_eval.make_windows(
+            tokens, args.windows, args.window_tokens, tokenizer.bos_token_id
+        )
     num_layers = len(make_prompt_cache(model))
     progress = kv_eval.Progress((num_layers + 1) * len(windows))
     errors = layer_errors(model, windows, scheme, args.chunk, progress)
@@ -195,10 +349,12 @@ def main(argv=None) -> dict:
         "kv": args.kv,
         "apply": target,
         "budget": args.budget,
-        "text": args.text,
+        "text": None if args.sampled else args.text,
         "skip": args.skip,
-        "windows": args.windows,
-        "window_tokens": args.window_tokens,
+        "sampled": args.sampled,
+        "seed": args.seed,
+        "windows": len(windows),
+        "window_tokens": windows.shape[1],
         "chunk": args.chunk,
         "dtype": args.dtype or kv_eval.model_dtype(model),
         "layer_kld": errors,

@@ -81,11 +81,13 @@ def register(pattern: str, syntax: str, help: str = ""):
 
 
 # Schemes by a short name (docs/results.md): q4 has the lowest error at 4.6
-# bits on SmolLM2 and Gemma 3; q4-recall (4.57 bits) finds more passkeys
+# bits on SmolLM2 and Gemma 3; q4-recall (4.57 bits) finds more passkeys;
+# cq4 (4.6 bits) keeps them too, its 5-bit key layers fitted per model
 PRESETS = {
     "q4": "4,3+rotate+center+qscale+exact8+res72/g64,32"
     "~4+rotate+center+qscale+exact8+k5@4.8",
     "q4-recall": "4+rotate+center+qscale+exact16",
+    "cq4": "codebook-4+center+qscale+exact8+k5@fit4.6",
 }
 
 
@@ -294,6 +296,11 @@ QSCALE_SUFFIX = r"(?P<qscale>\+qscale(?P<qscale_mode>-q)?)?"
 GROUP_SUFFIX = r"(/g(?P<groups>\d+(,\d+)?))?"
 EXACT_SUFFIX = r"(\+exact(?P<exact>\d+))?(\+res(?P<residual>\d+))?"
 LAYERS_SUFFIX = r"(\+(?P<layer_part>kv|k)(?P<layer_bits>\d+)@(?P<layers>\d+(\.\d+)*))?"
+# or +k5@fit4.6: the layers fitted per model within 4.6 bits (layers.fitted_layers)
+FITTED_LAYERS_SUFFIX = (
+    r"(\+(?P<layer_part>kv|k)(?P<layer_bits>\d+)@"
+    r"(?P<layers>\d+(\.\d+)*|fit\d+(\.\d+)?))?"
+)
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
@@ -419,7 +426,7 @@ CODEBOOK_SCHEME = (
     + CENTER_SUFFIX
     + QSCALE_SUFFIX
     + r"(\+exact(?P<exact>\d+))?"
-    + LAYERS_SUFFIX
+    + FITTED_LAYERS_SUFFIX
     + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*))?"
 )
 
@@ -448,7 +455,8 @@ def scheme_codecs(
 @register(
     CODEBOOK_SCHEME,
     syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
-    "[+center|+center-kv] [+qscale|+qscale-q] [+exactN] [+kB@L.L|+kvB@L.L] [+vB@L.L]",
+    "[+center|+center-kv] [+qscale|+qscale-q] [+exactN] [+kB@L.L|+kvB@L.L|+kB@fitX] "
+    "[+vB@L.L]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
     "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
     "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
@@ -458,8 +466,9 @@ def scheme_codecs(
     "+qscale-q by the queries' alone; "
     "+exactN keeps each sequence's first N tokens "
     "unquantized too; +k4@1.2: the keys of layers 1 and 2 at 4 bits (+kv4@: "
-    "keys and values; +v4@: values, after +k); sliding-window layers hold the whole context (same "
-    "attention)",
+    "keys and values; +v4@: values, after +k; +k5@fit4.6: in the layers that fit 4.6 bits per "
+    "element, ranked per model on text it samples itself, once, kept in ~/.cache/omlx-cache); "
+    "sliding-window layers hold the whole context (same attention)",
 )
 def codebook(
     name,
@@ -486,9 +495,12 @@ def codebook(
     )
     center = center_option(center, center_values)
     keep_exact = int(exact or 0)
-    high_layers, high = (), (keys, values)
-    if layers is not None:
+    high_layers, high, fit = (), (keys, values), None
+    if layers is not None and layers.startswith("fit"):
+        fit = fitting(name, key_bits, layer_bits, layer_part, float(layers[3:]))
+    elif layers is not None:
         high_layers = parse_layers(layers)
+    if layers is not None:
         more = scheme_codecs(layer_bits, None, "", rotation, norm, norm_bits)[0]
         high = (more, more if layer_part == "kv" else values)
     value_high_layers, value_high = (), values
@@ -498,13 +510,15 @@ def codebook(
             value_layer_bits, None, "", rotation, norm, norm_bits
         )[0]
 
-    def codecs(i):
-        k, v = high if i in high_layers else (keys, values)
-        return k, value_high if i in value_high_layers else v
-
     def make_cache(model):
         n = plain_layers(model, windows=True)
-        last = max(high_layers[-1:] + value_high_layers[-1:], default=-1)
+        chosen = high_layers if fit is None else fit(model)
+
+        def codecs(i):
+            k, v = high if i in chosen else (keys, values)
+            return k, value_high if i in value_high_layers else v
+
+        last = max(chosen[-1:] + value_high_layers[-1:], default=-1)
         if last >= n:
             raise ValueError(f"{name}: layer {last} of a model with {n} layers.")
         return [
@@ -525,6 +539,23 @@ def codebook(
         kept_tokens=keep_exact,
         high_layers=tuple(sorted({*high_layers, *value_high_layers})),
     )
+
+
+def fitting(name, key_bits, bits, part, budget):
+    """``model -> layers`` for a codebook scheme name ending in
+    ``+kB@fitX`` (``layers.fitted_layers``): the layers are ranked by the
+    name without it, keys alone (values unquantized) for ``+k``."""
+    base = re.sub(rf"\+{part}{bits}@fit[\d.]+", "", name)
+    measure = base
+    if part == "k":
+        measure = re.sub(r"^codebook-\d+(k-a?\d+v)?", f"codebook-{key_bits}k-16v", base)
+
+    def fit(model):
+        from .layers import fitted_layers  # layers imports this module
+
+        return tuple(fitted_layers(model, base, measure, int(bits), part, budget))
+
+    return fit
 
 
 @register(

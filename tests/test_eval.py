@@ -424,3 +424,47 @@ def test_residual_scheme_bits(model):
     assert schemes.average_bits(caches, 4096) == pytest.approx((expected, expected))
     # while every token is held, all are 16-bit
     assert schemes.average_bits(caches, 20) == (16.0, 16.0)
+
+
+def test_fitted_layers_once_per_model(tmp_path, model, monkeypatch, capsys):
+    """``+k5@fitX``: the layers fitted to X bits from text the model samples
+    itself, once per model: kept in memory and in ``fit_dir()``; a corrupt
+    file is fitted again, a base scheme over the budget is an error."""
+    from omlx_cache import layers
+
+    monkeypatch.setenv("OMLX_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(layers, "SAMPLED_TOKENS", 24)
+    layers._fitted.clear()
+    base = layers.scheme_bits(model, "codebook-4")
+    name = f"codebook-4+k5@fit{base + 0.3:.3f}"  # 5-bit keys in one layer: +0.25
+    caches = schemes.get_scheme(name).make_cache(model)
+    (path,) = (tmp_path / "layers").glob("*.json")
+    report = json.loads(path.read_text())
+    (top,) = report["layers"]
+    assert report["layer_kld"][top] == max(report["layer_kld"])
+    assert report["scheme"] == f"codebook-4+k5@{top}"
+    assert report["measure"] == "codebook-4k-16v"
+    assert [c.key_codec.bits for c in caches] == [5 if i == top else 4 for i in (0, 1)]
+    assert "fitting codebook-4 to" in capsys.readouterr().err
+    schemes.get_scheme(name).make_cache(model)
+    assert "fitting" not in capsys.readouterr().err
+    layers._fitted.clear()  # a new process: the file
+    schemes.get_scheme(name).make_cache(model)
+    assert "fitting" not in capsys.readouterr().err
+    layers._fitted.clear()
+    path.write_text("{")
+    schemes.get_scheme(name).make_cache(model)
+    assert "fitting again" in capsys.readouterr().err
+    assert json.loads(path.read_text())["layers"] == [top]
+    with pytest.raises(ValueError, match=r"over --budget 4\.2"):
+        schemes.get_scheme("codebook-4+k5@fit4.2").make_cache(model)
+
+
+def test_sampled_tokens_are_the_models_and_repeat(model):
+    from omlx_cache import layers
+
+    tokens = layers.sampled_tokens(model, 16, seed=3)
+    assert tokens.shape == (16,)
+    assert mx.array_equal(tokens, layers.sampled_tokens(model, 16, seed=3))
+    assert not mx.array_equal(tokens, layers.sampled_tokens(model, 16, seed=4))
+    assert int(tokens.max()) < CONFIG["vocab_size"]
