@@ -2,8 +2,8 @@
 
 Three ``mx.fast.cuda_kernel``s (and a combine step) stand in for the MLX ops
 of ``omlx_cache.codebook`` where they apply (CUDA, compute capability 8.0 or
-later, 3- to 5-bit ``Codebook`` codecs with a Hadamard rotation or none (5-bit
-values decode on the ops path), head dims 64, 128 and 256); the ops path stays the fallback everywhere else and the
+later, 3- to 5-bit ``Codebook`` codecs with a Hadamard rotation or none, head
+dims 64, 128 and 256); the ops path stays the fallback everywhere else and the
 reference in the tests.
 
 - ``encode``: a warp per vector rotates it (a fast Walsh-Hadamard transform in
@@ -19,8 +19,8 @@ reference in the tests.
   become halves in registers: the magnitudes of a pair of elements select
   their two halves from a table of the positive levels in two registers
   (one byte permute), the sign bits are XORed in (3-bit: ``codebook``'s
-  sign-magnitude layout; 4-bit: two permutes and a select; 5-bit keys: the
-  high bits of a pair from a fifth word (``codebook``'s ``split_5bit``), four
+  sign-magnitude layout; 4-bit: two permutes and a select; 5-bit: the high
+  bits of a pair from a fifth word (``codebook``'s ``split_5bit``), four
   permutes and three selects). The norms are not multiplied into the levels:
   a key's score is scaled by its norm, and a value's norm is folded into its
   probabilities. Queries are rotated in the kernel, scores and the online
@@ -48,7 +48,6 @@ WARPS = 4
 COMBINE_WARPS = 16
 MAX_PAGES = 32
 ENCODE_WARPS = 4
-VALUE_BITS = (3, 4)  # the decode kernel's value widths (keys: 3 to 5)
 
 
 def _half_bits(x) -> int:
@@ -395,7 +394,8 @@ _DECODE_SOURCE = """
     // a lane's words of a key
     constexpr int KL = KB == 3 ? KHB + KSW : KB == 5 ? KC / 8 + KTW : KC / 8;
     constexpr int VMW = VC >= 16 ? VC / 16 : 1;
-    constexpr int VL = VB == 3 ? VMW + 1 : (VC >= 8 ? VC / 8 : 1);
+    // a lane's words of a value (3-bit: signs, 5-bit: high bits last)
+    constexpr int VL = VB == 3 ? VMW + 1 : VB == 5 ? VC / 8 + 1 : VC / 8;
     const float neg_inf = __int_as_float(0xff800000);
     const int lane = threadIdx.x & 31;
     const int quad = lane >> 2;
@@ -655,10 +655,13 @@ _DECODE_SOURCE = """
         }
         return i;
     };
-    // and of a value row: magnitudes from v_first, 3-bit signs from v_signs
+    // and of a value row: magnitudes (low bits) from v_first, 3-bit signs
+    // (5-bit high bits) from v_signs; a lane's value dims are in one block
     const int v_start = quad * VC;
-    const int v_first = VB == 3 ? mag_word3(v_start / 16) : v_start / 8;
-    const int v_signs = (v_start / 32) * 3 + 2;
+    const int v_first = VB == 3 ? mag_word3(v_start / 16)
+                        : VB == 5 ? (v_start / 32) * 5 + (v_start % 32) / 8
+                                  : v_start / 8;
+    const int v_signs = VB == 5 ? (v_start / 32) * 5 + 4 : (v_start / 32) * 3 + 2;
     auto v_word = [&](int i) {
         return VB == 3 ? (i >> 1) * 3 + (i & 1) : i;
     };
@@ -703,7 +706,7 @@ _DECODE_SOURCE = """
                 const int down = 8 * (r & 1) + (r >> 1);
                 #pragma unroll
                 for (int i = 0; i < VL; ++i) {
-                    const bool sign = VB == 3 && i == VL - 1;
+                    const bool sign = (VB == 3 || VB == 5) && i == VL - 1;
                     t.v[r][i] = sign ? s_row[down * VW] : v_row[down * VW + v_word(i)];
                 }
             }
@@ -723,7 +726,7 @@ _DECODE_SOURCE = """
                 const size_t k = (uint32_t)min(value_row + 8 * (r & 1) + (r >> 1), page_size - 1);
                 #pragma unroll
                 for (int i = 0; i < VL; ++i) {
-                    const bool sign = VB == 3 && i == VL - 1;
+                    const bool sign = (VB == 3 || VB == 5) && i == VL - 1;
                     t.v[r][i] = sign ? s_lane[k * VW] : v_lane[k * VW + v_word(i)];
                 }
             }
@@ -881,8 +884,21 @@ _DECODE_SOURCE = """
                         const int sh = 4 * (j % 2);
                         const uint32_t w0 = __byte_perm(y[kp], z[kp], b | ((b + 4) << 8));
                         const uint32_t w1 = __byte_perm(y[kp], z[kp], (b + 2) | ((b + 6) << 8));
-                        a[2 * kp] = cb4_pair((w0 >> sh) & 0x000F000Fu);
-                        a[2 * kp + 1] = cb4_pair((w1 >> sh) & 0x000F000Fu);
+                        const uint32_t t0 = (w0 >> sh) & 0x000F000Fu;
+                        const uint32_t t1 = (w1 >> sh) & 0x000F000Fu;
+                        if (VB == 5) {
+                            // the two keys' high bits of dims e and e + 4 of the block
+                            const uint32_t h0 = t.v[2 * kp][VL - 1];
+                            const uint32_t h1 = t.v[2 * kp + 1][VL - 1];
+                            const int at = 4 * ((v_start % 32) / 8 + g8) + j;
+                            const uint32_t e = ((h0 >> at) & 1u) | (((h1 >> at) & 1u) << 16);
+                            const uint32_t e4 = ((h0 >> (at + 16)) & 1u) | (((h1 >> (at + 16)) & 1u) << 16);
+                            a[2 * kp] = cb5_pair(t0 | (e << 4));
+                            a[2 * kp + 1] = cb5_pair(t1 | (e4 << 4));
+                        } else {
+                            a[2 * kp] = cb4_pair(t0);
+                            a[2 * kp + 1] = cb4_pair(t1);
+                        }
                     }
                 }
                 mma_16x8x16(o[i], a, p_frag);
@@ -1146,12 +1162,11 @@ def _on_cuda() -> bool:
     return _enabled[-1] and mx.default_device() == mx.gpu and _cuda_available()
 
 
-def _rotates(codec, widths=(3, 4, 5)) -> bool | None:
-    """Whether a codec the kernels take is rotated (None: not taken): one of
-    ``widths`` bits (the decode kernel reads 5-bit keys, not values). The
+def _rotates(codec) -> bool | None:
+    """Whether a codec the kernels take is rotated (None: not taken). The
     kernels read and write float16 norms: 8-bit ones (``-n8``) take the ops
     path."""
-    if not isinstance(codec, Codebook) or codec.bits not in widths:
+    if not isinstance(codec, Codebook) or codec.bits not in (3, 4, 5):
         return None
     if codec.norm_bits != NORM_BITS:
         return None
@@ -1178,7 +1193,7 @@ def holds(keys, values, key_codec, value_codec) -> bool:
         D in (64, 128, 256)
         and values.shape[-1] == D
         and _rotates(key_codec) is not None
-        and _rotates(value_codec, VALUE_BITS) is not None
+        and _rotates(value_codec) is not None
         and _on_cuda()
     )
 
@@ -1208,8 +1223,6 @@ def applies(
         return False
     if L > 1:
         return held is None
-    if _rotates(value_codec, VALUE_BITS) is None:
-        return False
     return n_q_heads // n_kv_heads <= 8 and qd._mask_kind(mask, B, length) is not None
 
 

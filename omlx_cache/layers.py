@@ -255,7 +255,9 @@ def with_layers(name: str, layers, bits: int, part: str = "k") -> str:
         return name
     suffix = f"+{part}{bits}@{'.'.join(map(str, layers))}"
     head, slash, groups = name.partition("/")
-    return head + suffix + slash + groups
+    # before a codebook scheme's +vB@ values
+    head, plus_v, values = head.partition("+v")
+    return head + suffix + plus_v + values + slash + groups
 
 
 def parse_args(argv=None):

@@ -87,7 +87,7 @@ PRESETS = {
     "q4": "4,3+rotate+center+qscale+exact8+res72/g64,32"
     "~4+rotate+center+qscale+exact8+k5@4.8",
     "q4-recall": "4+rotate+center+qscale+exact16",
-    "cq4": "codebook-4+center+qscale+exact8+k5@fit4.6",
+    "cq4": "codebook-4+center+qscale+exact8+k5@fit4.6+v5@global",
 }
 
 
@@ -427,7 +427,7 @@ CODEBOOK_SCHEME = (
     + QSCALE_SUFFIX
     + r"(\+exact(?P<exact>\d+))?"
     + FITTED_LAYERS_SUFFIX
-    + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*))?"
+    + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*|global))?"
 )
 
 
@@ -456,7 +456,7 @@ def scheme_codecs(
     CODEBOOK_SCHEME,
     syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
     "[+center|+center-kv] [+qscale|+qscale-q] [+exactN] [+kB@L.L|+kvB@L.L|+kB@fitX] "
-    "[+vB@L.L]",
+    "[+vB@L.L|+vB@global]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
     "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
     "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
@@ -467,7 +467,9 @@ def scheme_codecs(
     "+exactN keeps each sequence's first N tokens "
     "unquantized too; +k4@1.2: the keys of layers 1 and 2 at 4 bits (+kv4@: "
     "keys and values; +v4@: values, after +k; +k5@fit4.6: in the layers that fit 4.6 bits per "
-    "element, ranked per model on text it samples itself, once, kept in ~/.cache/omlx-cache); "
+    "element, ranked per model on text it samples itself, once, kept in ~/.cache/omlx-cache; "
+    "+v5@global: the values of the layers that attend the whole context in a model with "
+    "sliding-window layers); "
     "sliding-window layers hold the whole context (same attention)",
 )
 def codebook(
@@ -505,7 +507,8 @@ def codebook(
         high = (more, more if layer_part == "kv" else values)
     value_high_layers, value_high = (), values
     if value_layers is not None:
-        value_high_layers = parse_layers(value_layers)
+        if value_layers != "global":
+            value_high_layers = parse_layers(value_layers)
         value_high = scheme_codecs(
             value_layer_bits, None, "", rotation, norm, norm_bits
         )[0]
@@ -513,12 +516,15 @@ def codebook(
     def make_cache(model):
         n = plain_layers(model, windows=True)
         chosen = high_layers if fit is None else fit(model)
+        chosen_values = value_high_layers
+        if value_layers == "global":
+            chosen_values = global_layers(model)
 
         def codecs(i):
             k, v = high if i in chosen else (keys, values)
-            return k, value_high if i in value_high_layers else v
+            return k, value_high if i in chosen_values else v
 
-        last = max(chosen[-1:] + value_high_layers[-1:], default=-1)
+        last = max(chosen[-1:] + chosen_values[-1:], default=-1)
         if last >= n:
             raise ValueError(f"{name}: layer {last} of a model with {n} layers.")
         return [
@@ -541,6 +547,15 @@ def codebook(
     )
 
 
+def global_layers(model: nn.Module) -> tuple[int, ...]:
+    """The layers that attend the whole context in a model with sliding-window
+    layers (Gemma 3's every sixth); none in a model without them."""
+    bounded = bounded_layers(model)
+    if not any(bounded):
+        return ()
+    return tuple(i for i, b in enumerate(bounded) if not b)
+
+
 def fitting(name, key_bits, bits, part, budget):
     """``model -> layers`` for a codebook scheme name ending in
     ``+kB@fitX`` (``layers.fitted_layers``): the layers are ranked by the
@@ -549,6 +564,7 @@ def fitting(name, key_bits, bits, part, budget):
     measure = base
     if part == "k":
         measure = re.sub(r"^codebook-\d+(k-a?\d+v)?", f"codebook-{key_bits}k-16v", base)
+        measure = re.sub(r"\+v\d+@[\w.]+", "", measure)
 
     def fit(model):
         from .layers import fitted_layers  # layers imports this module

@@ -118,7 +118,7 @@ def _halves(u):
 def test_kernel_reads_every_code_as_its_level(bits, dim):
     """The decode kernel's key and value operands, emulated lane by lane, are
     the levels of the packed indices at the dims the queries and the output
-    give them (5-bit: keys only)."""
+    give them."""
     em = _Emulated()
     levels = np.array(lloyd_max(bits)[0])
     idx = np.random.default_rng(bits * dim).integers(0, 1 << bits, (4, dim))
@@ -151,9 +151,6 @@ def test_kernel_reads_every_code_as_its_level(bits, dim):
                 )
             assert (_halves(u) == want[r, [a, a + 4]]).all()
             seen_k.update((a, a + 4))
-    if bits == 5:
-        assert seen_k == set(range(dim))
-        return
     for quad in range(8):  # values: a lane's eighth of a row, two keys per operand
         start = quad * VC
         for g8, j, kp in itertools.product(range(VC // 8), range(4), range(2)):
@@ -171,6 +168,24 @@ def test_kernel_reads_every_code_as_its_level(bits, dim):
                 q = (b0 // 2) * 4 + j
                 a0 = em.cb3(y, 2 * j, em.neg(z, 15 - q))
                 a1 = em.cb3(y, 16 + 2 * j, em.neg(z, 7 - q))
+            elif bits == 5:
+                # the kernel's v_first and v_signs words, the high bits at `at`
+                first = (start // 32) * 5 + (start % 32) // 8
+                w = [words[k, first + g8] for k in (k0, k1)]
+                high = [words[k, (start // 32) * 5 + 4] for k in (k0, k1)]
+                b, sh = j // 2, 4 * (j % 2)
+                at = 4 * ((start % 32) // 8 + g8) + j
+                a0, a1 = (
+                    em.cb5(
+                        ((_byte_perm(*w, sel) >> sh) & 0x000F000F)
+                        | (((high[0] >> s) & 1) << 4)
+                        | (((high[1] >> s) & 1) << 20)
+                    )
+                    for sel, s in (
+                        (b | ((b + 4) << 8), at),
+                        ((b + 2) | ((b + 6) << 8), at + 16),
+                    )
+                )
             else:
                 w = [words[k, start // 8 + g8] for k in (k0, k1)]
                 b, sh = j // 2, 4 * (j % 2)
@@ -226,11 +241,10 @@ def test_kernels_take_only_float16_norms():
     assert codebook_kernel._rotates(Codebook(3, norm_bits=8)) is None
 
 
-def test_kernels_take_five_bit_keys_not_values():
-    # encode and dequantize take 3 to 5 bits; the decode kernel 5-bit keys only
+def test_kernels_take_three_to_five_bits():
     assert codebook_kernel._rotates(Codebook(5)) is True
-    assert codebook_kernel._rotates(Codebook(5), codebook_kernel.VALUE_BITS) is None
     assert codebook_kernel._rotates(Codebook(6)) is None
+    assert codebook_kernel._rotates(Codebook(2)) is None
 
 
 def test_decode_kernel_name_says_its_input_types():
@@ -387,10 +401,13 @@ def test_encode_and_dequantize_kernels(bits, dim, rotation):
         ((4, 3), (9, 3), 64, 777, 256, "k", {"keep_exact": 5, "key_scale": "q"}),
         # kept tokens in the first of 33 pages: two decode launches
         ((3, 3), (8, 2), 64, 4200, 128, "", {"keep_exact": 4}),
-        # 5-bit keys (CQ4's layers), each head dim's words per lane
+        # 5-bit keys (CQ4's layers) and values, each head dim's words per lane
         ((5, 4), (32, 8), 128, 3000, 1024, "", {}),
         ((5, 3), (16, 4), 256, 2500, 1024, "k", {}),
         ((5, 4), (9, 3), 64, 777, 256, "kv", {"keep_exact": 8, "key_scale": "q"}),
+        ((4, 5), (32, 8), 128, 3000, 1024, "kv", {}),
+        ((5, 5), (16, 4), 256, 2500, 1024, "", {"keep_exact": 8}),
+        ((4, 5), (9, 3), 64, 777, 256, "kv", {"keep_exact": 8, "key_scale": "q"}),
     ],
 )
 def test_attention_kernels_against_float32(

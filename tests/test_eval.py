@@ -458,6 +458,19 @@ def test_fitted_layers_once_per_model(tmp_path, model, monkeypatch, capsys):
     assert json.loads(path.read_text())["layers"] == [top]
     with pytest.raises(ValueError, match=r"over --budget 4\.2"):
         schemes.get_scheme("codebook-4+k5@fit4.2").make_cache(model)
+    # the layers' keys ranked with values unquantized, the values' layers kept
+    name = f"codebook-4+k5@fit{base + 0.3:.3f}+v5@global"
+    schemes.get_scheme(name).make_cache(model)
+    (report,) = [
+        json.loads(p.read_text())
+        for p in (tmp_path / "layers").glob("*.json")
+        if p != path
+    ]
+    assert (report["name"], report["measure"]) == (
+        "codebook-4+v5@global",
+        "codebook-4k-16v",
+    )
+    assert report["scheme"] == f"codebook-4+k5@{top}+v5@global"
 
 
 def test_sampled_tokens_are_the_models_and_repeat(model):
@@ -468,3 +481,30 @@ def test_sampled_tokens_are_the_models_and_repeat(model):
     assert mx.array_equal(tokens, layers.sampled_tokens(model, 16, seed=3))
     assert not mx.array_equal(tokens, layers.sampled_tokens(model, 16, seed=4))
     assert int(tokens.max()) < CONFIG["vocab_size"]
+
+
+def test_values_of_global_layers(model):
+    """``+v5@global``: the values of the whole-context layers of a model with
+    sliding windows (Gemma 3) at 5 bits; a model without them has none."""
+    from mlx_lm.models import gemma3_text
+
+    config = {
+        "model_type": "gemma3_text",
+        "hidden_size": 64,
+        "num_hidden_layers": 3,
+        "intermediate_size": 128,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": 128,
+        "sliding_window": 16,
+        "sliding_window_pattern": 3,
+    }
+    gemma = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    assert schemes.global_layers(gemma) == (2,)
+    caches = schemes.get_scheme("codebook-4+k5@0+v5@global").make_cache(gemma)
+    bits = [(c.key_codec.bits, c.value_codec.bits) for c in caches]
+    assert bits == [(5, 4), (4, 4), (4, 5)]
+    assert schemes.global_layers(model) == ()
+    caches = schemes.get_scheme("codebook-4+v5@global").make_cache(model)
+    assert {c.value_codec.bits for c in caches} == {4}
