@@ -204,7 +204,8 @@ def fitted_layers(model, name: str, measure: str, bits: int, part: str, budget: 
     bits per element (``layers_within``), ranked by ``measure``'s per-layer
     error on ``SAMPLED_TOKENS`` tokens the model samples itself: no data, and
     one fit per model, kept in memory and in ``fit_dir()``. ValueError when
-    ``name`` alone is over the budget."""
+    ``name`` alone is over the budget. (As ``layer_errors``, for a model whose
+    sliding windows are no shorter than the text: Gemma 3's are 512 tokens.)"""
     settings = {
         "name": name,
         "measure": measure,
@@ -232,12 +233,13 @@ def fitted_layers(model, name: str, measure: str, bits: int, part: str, budget: 
             f"{num_layers + 1} passes over them)",
             file=sys.stderr,
         )
-        progress = kv_eval.Progress(SAMPLED_TOKENS - 1 + num_layers + 1)
+        progress = kv_eval.Progress(SAMPLED_TOKENS - 1)
         progress.label = "sampling"
         windows = sampled_tokens(model, SAMPLED_TOKENS, 0, progress)[None]
-        errors = layer_errors(
-            model, windows, kv_schemes.get_scheme(measure), 128, progress
-        )
+        progress.close()
+        progress = kv_eval.Progress(num_layers + 1)
+        measured = kv_schemes.get_scheme(measure)
+        errors = layer_errors(model, windows, measured, 128, progress)
         progress.close()
         layers = layers_within(model, errors, name, bits, part, budget)
         report = dict(settings, layer_kld=errors, layers=layers)

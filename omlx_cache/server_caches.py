@@ -5,11 +5,12 @@
 
 ``--kv-cache omlx`` (this package's entry point in the group
 ``mlx_lm.kv_caches``) makes every request's cache from the scheme that
-``--kv-cache-config`` names, ``q4`` by default (``q4-recall`` finds more
-passkeys; docs/results.md): a preset or any string
+``--kv-cache-config`` names, ``q4`` by default (``q4-recall`` and ``cq4``
+find more passkeys; ``cq4`` fits its layers to the model when it loads,
+once: docs/results.md): a preset or any string
 ``python -m omlx_cache.eval`` takes, with ``--kv-group-size`` and
 ``--max-kv-size`` applied as there. The server batches requests whose caches
-merge; caches with weighted keys (both presets) or a recent window are
+merge; caches with weighted keys (all three presets) or a recent window are
 served one request at a time. A centered or weighted cache takes its means
 and weights from its first write: a request that continues a cached prefix
 keeps the prefix's (a short system prompt's, say).

@@ -4,11 +4,14 @@
 import argparse
 import importlib.metadata
 import itertools
+import json
 
 import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
+from mlx_lm.models import gemma3_text
+from test_center import TINY_GEMMA
 from test_center_key_scale import tiny_gemma
 from test_server_real import QUESTIONS
 
@@ -125,3 +128,32 @@ def test_calibrated_codebook_scheme_serves(smollm2):
     steps = generate_step(mx.array(prompt), model, max_tokens=12)
     assert served == tokenizer.decode([int(token) for token, _ in steps])
     assert "4" in served
+
+
+def test_cq4_fits_its_layers_when_the_server_loads(tmp_path, monkeypatch, capsys):
+    """``--kv-cache-config cq4`` on a Gemma-like model: the global layer's
+    values at 5 bits, 5-bit keys in the layers fitted within 4.6 bits on
+    text the model samples, once (a second factory reads the fit)."""
+    from omlx_cache import layers
+
+    monkeypatch.setenv("OMLX_CACHE_HOME", str(tmp_path))
+    # windows as long as the fit's text, as Gemma 3's (a layer measured alone
+    # holds the whole text; its window mask must match its neighbours')
+    config = dict(TINY_GEMMA, sliding_window=512)
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    caches = server_caches.from_args(server_args("cq4"))(model)
+    assert (
+        "fitting codebook-4+center+qscale+exact8+v5@global" in capsys.readouterr().err
+    )
+    assert [c.value_codec.bits for c in caches] == [4, 4, 5]
+    (fit,) = (tmp_path / "layers").glob("*.json")
+    chosen = layers.with_layers(
+        "codebook-4+center+qscale+exact8+v5@global",
+        [i for i, c in enumerate(caches) if c.key_codec.bits == 5],
+        5,
+    )
+    assert json.loads(fit.read_text())["scheme"] == chosen
+    assert layers.scheme_bits(model, chosen) <= 4.6
+    layers._fitted.clear()
+    server_caches.from_args(server_args("cq4"))(model)
+    assert "fitting" not in capsys.readouterr().err
