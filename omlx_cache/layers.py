@@ -21,6 +21,11 @@ so many bits per element (``schemes.average_bits`` at 4,096 tokens)::
     python -m omlx_cache.layers --model models/SmolLM2-135M-Instruct-f32 \\
         --kv codebook-4k-16v+center+qscale+exact8 \\
         --apply codebook-4+center+qscale+exact8 --bits 5 --budget 4.6
+
+``--sampled N`` calibrates on N tokens the model samples itself instead
+(``sampled_tokens``: no data). ``fitted_layers`` does that once per model
+for a scheme named ``…+k5@fit4.6`` (the preset ``cq4``) when it makes its
+caches, and keeps the list in ``fit_dir()``.
 """
 
 import argparse

@@ -487,20 +487,9 @@ def test_values_of_global_layers(model):
     """``+v5@global``: the values of the whole-context layers of a model with
     sliding windows (Gemma 3) at 5 bits; a model without them has none."""
     from mlx_lm.models import gemma3_text
+    from test_center import TINY_GEMMA
 
-    config = {
-        "model_type": "gemma3_text",
-        "hidden_size": 64,
-        "num_hidden_layers": 3,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "vocab_size": 128,
-        "sliding_window": 16,
-        "sliding_window_pattern": 3,
-    }
-    gemma = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    gemma = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(TINY_GEMMA))
     assert schemes.global_layers(gemma) == (2,)
     caches = schemes.get_scheme("codebook-4+k5@0+v5@global").make_cache(gemma)
     bits = [(c.key_codec.bits, c.value_codec.bits) for c in caches]
