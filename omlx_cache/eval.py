@@ -211,6 +211,8 @@ class SchemeRun:
     footprint: Footprint | None = None
     # (key, value) bits per element, everything counted, at each context
     average_bits: dict = field(default_factory=dict)
+    # each layer's (key, value) bits per element (layers fitted per model too)
+    layer_bits: list = field(default_factory=list)
 
     def add(self, stats, seconds: float, footprint: Footprint):
         for values, x in zip((self.nll, self.kld, self.top1), stats):
@@ -288,6 +290,7 @@ def evaluate_tokens(
                 bits = kv_schemes.average_bits(cache, context)
                 if bits is not None:
                     run.average_bits[context] = dict(zip("kv", bits))
+            run.layer_bits = [kv_schemes.layer_bits(c) for c in cache]
             del cache, logprobs
     return [summarize(run, runs[0]) for run in runs]
 
@@ -517,6 +520,7 @@ def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
         "bits_per_element": dict(zip("kv", run.scheme.bits_per_element)),
         "kept_tokens": run.scheme.kept_tokens,
         "high_layers": list(run.scheme.high_layers),
+        "layer_bits": [bits and list(bits) for bits in run.layer_bits],
         # everything stored, at the window's length and at AVERAGE_CONTEXT
         **{
             f"bits_per_element_at_{context}": bits

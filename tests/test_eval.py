@@ -369,6 +369,7 @@ def test_layer_bits_and_rule(model, windows):
     )
     assert r["4+k8@1"]["bits_per_element_at_4096"] == {"k": 6.5, "v": 4.5}
     assert r["4+k8@1"]["high_layers"] == [1]
+    assert r["4+k8@1"]["layer_bits"] == [[4.5, 4.5], [8.5, 4.5]]
 
 
 def test_layers_within_budget(model):
