@@ -498,3 +498,33 @@ def test_values_of_global_layers(model):
     assert schemes.global_layers(model) == ()
     caches = schemes.get_scheme("codebook-4+v5@global").make_cache(model)
     assert {c.value_codec.bits for c in caches} == {4}
+
+
+def test_passkey_logprob_pairs_two_runs():
+    """``passkey_logprob.py --against``: each scheme paired with itself in
+    another run on the same prompts (the stored Gemma runs of CQ4 through
+    the CUDA kernels and through MLX ops)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    data = Path(__file__).resolve().parents[1] / "docs" / "data"
+    script = data.parents[1] / "scripts" / "quality" / "passkey_logprob.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "--against"]
+        + [str(data / "cq4-rule-gemma3-seed1.json")]
+        + [str(data / "gemma3-8k-global-layers-seed1.json")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "| fp16 | 8192 | 42/48 | 0 / 0 | 1.000 | +0.000 ± 0.000 |" in out
+    assert "| 8192 | 34/48 | 7 / 2 | 0.180 | -0.126 ± 0.034 |" in out
+    with pytest.raises(subprocess.CalledProcessError):
+        subprocess.run(
+            [sys.executable, str(script), "--against"]
+            + [str(data / "cq4-rule-gemma3-seed0.json")]
+            + [str(data / "gemma3-8k-global-layers-seed1.json")],
+            capture_output=True,
+            check=True,
+        )

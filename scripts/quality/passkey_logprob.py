@@ -6,6 +6,11 @@ For each file, scheme and context: the keys found, keys lost and gained against
 the file's first scheme (McNemar p), and the mean paired difference of the key's
 log-probability with its standard error (``eval.paired_outcomes``). Runs stored
 before the eval added that difference get it here from their trials.
+``--against OTHER`` pairs each scheme with the same scheme in another run on
+the same prompts (same seed), e.g. two code paths::
+
+    python scripts/quality/passkey_logprob.py --against docs/data/cq4-rule-gemma3-seed0.json \\
+        docs/data/gemma3-8k-global-layers-seed0.json
 """
 
 import argparse
@@ -14,14 +19,24 @@ import json
 from omlx_cache.eval import paired_outcomes
 
 
-def rows(report: dict):
+def rows(report: dict, against: dict | None = None):
     """(scheme, context, found, trials, paired outcomes) for each scheme after
-    the first (the reference) and each context of its passkey trials."""
-    reference, *schemes = report["results"]
+    the first (the reference) and each context of its passkey trials; with
+    ``against``, for each scheme also there, paired with it there."""
+    first, *schemes = report["results"]
+    if against is not None:
+        schemes = report["results"]
+        others = {r["kv"]: r for r in against["results"]}
     for result in schemes:
+        reference = first if against is None else others.get(result["kv"])
+        if reference is None:
+            continue
         for context, trials in result.get("passkey", {}).items():
             runs = trials["runs"]
-            vs = paired_outcomes(reference["passkey"][context]["runs"], runs)
+            theirs = reference["passkey"][context]["runs"]
+            if [t["key"] for t in theirs] != [t["key"] for t in runs]:
+                raise SystemExit(f"{result['kv']} at {context}: not the same prompts")
+            vs = paired_outcomes(theirs, runs)
             found = sum(t["correct"] for t in runs)
             yield result["kv"], context, found, len(runs), vs
 
@@ -29,14 +44,22 @@ def rows(report: dict):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+", help="omlx_cache.eval JSON files")
+    parser.add_argument(
+        "--against", metavar="FILE", help="pair each scheme with its run in FILE"
+    )
     args = parser.parse_args()
+    against = None
+    if args.against:
+        with open(args.against) as f:
+            against = json.load(f)
     for path in args.files:
         with open(path) as f:
             report = json.load(f)
-        print(f"\n{path} (passkey step {report.get('passkey_chunk')})")
+        vs_what = f", against {args.against}" if against else ""
+        print(f"\n{path} (passkey step {report.get('passkey_chunk')}{vs_what})")
         print("| KV | context | found | lost / gained | p | Δ log-prob (± se) |")
         print("|---|---|---|---|---|---|")
-        for kv, context, found, trials, vs in rows(report):
+        for kv, context, found, trials, vs in rows(report, against):
             delta = vs.get("logprob_delta")
             shift = (
                 "" if delta is None else f"{delta:+.3f} ± {vs['logprob_delta_se']:.3f}"
