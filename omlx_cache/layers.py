@@ -50,8 +50,9 @@ from . import schemes as kv_schemes
 def sampled_tokens(model, count: int = 512, seed: int = 0, progress=None):
     """``count`` tokens the model samples itself (temperature 1, fp16 KV)
     after one token drawn at random from its vocabulary: a calibration text
-    that needs no data, the same for a model, dtype and device given the
-    ``seed``. ``progress``: an ``eval.Progress`` stepped per token."""
+    that needs no data, the same on the CPU for a model, dtype and ``seed``
+    (on CUDA two runs in bfloat16 sampled different text: its logits are not
+    bit-reproducible). ``progress``: an ``eval.Progress`` stepped per token."""
     key = mx.random.key(seed)
 
     def next_key():

@@ -557,9 +557,9 @@ def global_layers(model: nn.Module) -> tuple[int, ...]:
 
 
 def fitting(name, key_bits, bits, part, budget):
-    """``model -> layers`` for a codebook scheme name ending in
-    ``+kB@fitX`` (``layers.fitted_layers``): the layers are ranked by the
-    name without it, keys alone (values unquantized) for ``+k``."""
+    """``model -> layers`` for a codebook scheme name with ``+kB@fitX``
+    (``layers.fitted_layers``): the layers are ranked by the name without it,
+    keys alone (values unquantized, no ``+vB@``) for ``+k``."""
     base = re.sub(rf"\+{part}{bits}@fit[\d.]+", "", name)
     measure = base
     if part == "k":
