@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
 from . import eval as kv_eval
 from . import schemes as kv_schemes
@@ -205,20 +205,29 @@ def _write_fit(path: Path, report: dict):
         )
 
 
+def fit_tokens(model) -> int:
+    """``SAMPLED_TOKENS``, or a model's shortest sliding window if shorter: a
+    layer measured alone holds the whole text, and its window mask must match
+    the rotating caches beside it, which then hold it all too."""
+    caches = make_prompt_cache(model)
+    windows = [c.max_size for c in caches if isinstance(c, RotatingKVCache)]
+    return min([SAMPLED_TOKENS, *windows])
+
+
 def fitted_layers(model, name: str, measure: str, bits: int, part: str, budget: float):
     """The layers that ``name`` gives ``bits`` (``part``) within ``budget``
     bits per element (``layers_within``), ranked by ``measure``'s per-layer
     error on ``SAMPLED_TOKENS`` tokens the model samples itself: no data, and
-    one fit per model, kept in memory and in ``fit_dir()``. ValueError when
-    ``name`` alone is over the budget. (As ``layer_errors``, for a model whose
-    sliding windows are no shorter than the text: Gemma 3's are 512 tokens.)"""
+    one fit per model, kept in memory and in ``fit_dir()`` (fewer tokens for
+    a model with shorter sliding windows: ``fit_tokens``). ValueError when
+    ``name`` alone is over the budget."""
     settings = {
         "name": name,
         "measure": measure,
         "bits": bits,
         "part": part,
         "budget": budget,
-        "sampled": SAMPLED_TOKENS,
+        "sampled": fit_tokens(model),
         "dtype": kv_eval.model_dtype(model),
         "version": FIT_VERSION,
     }
@@ -233,15 +242,16 @@ def fitted_layers(model, name: str, measure: str, bits: int, part: str, budget: 
         check_budget(model, name, budget)
         tic = time.perf_counter()
         num_layers = len(make_prompt_cache(model))
+        count = settings["sampled"]
         print(
             f"omlx_cache.layers: fitting {name} to {budget} bits per element "
-            f"(once per model: {SAMPLED_TOKENS} sampled tokens, "
+            f"(once per model: {count} sampled tokens, "
             f"{num_layers + 1} passes over them)",
             file=sys.stderr,
         )
-        progress = kv_eval.Progress(SAMPLED_TOKENS - 1)
+        progress = kv_eval.Progress(count - 1)
         progress.label = "sampling"
-        windows = sampled_tokens(model, SAMPLED_TOKENS, 0, progress)[None]
+        windows = sampled_tokens(model, count, 0, progress)[None]
         progress.close()
         progress = kv_eval.Progress(num_layers + 1)
         measured = kv_schemes.get_scheme(measure)

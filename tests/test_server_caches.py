@@ -10,8 +10,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from mlx_lm.models import gemma3_text
-from test_center import TINY_GEMMA
 from test_center_key_scale import tiny_gemma
 from test_server_real import QUESTIONS
 
@@ -137,14 +135,12 @@ def test_cq4_fits_its_layers_when_the_server_loads(tmp_path, monkeypatch, capsys
     from omlx_cache import layers
 
     monkeypatch.setenv("OMLX_CACHE_HOME", str(tmp_path))
-    # windows as long as the fit's text, as Gemma 3's (a layer measured alone
-    # holds the whole text; its window mask must match its neighbours')
-    config = dict(TINY_GEMMA, sliding_window=512)
-    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(config))
+    model = tiny_gemma()
     caches = server_caches.from_args(server_args("cq4"))(model)
-    assert (
-        "fitting codebook-4+center+qscale+exact8+v5@global" in capsys.readouterr().err
-    )
+    # on text as long as its 16-token windows (layers.fit_tokens)
+    err = capsys.readouterr().err
+    assert "fitting codebook-4+center+qscale+exact8+v5@global" in err
+    assert "16 sampled tokens" in err
     assert [c.value_codec.bits for c in caches] == [4, 4, 5]
     (fit,) = (tmp_path / "layers").glob("*.json")
     chosen = layers.with_layers(
