@@ -227,14 +227,16 @@ def fitted_layers(model, name: str, measure: str, bits: int, part: str, budget: 
         "bits": bits,
         "part": part,
         "budget": budget,
-        "sampled": fit_tokens(model),
         "dtype": kv_eval.model_dtype(model),
         "version": FIT_VERSION,
     }
-    key = json.dumps(settings, sort_keys=True)
+    # every cache the scheme makes asks: a fit known in memory costs no more
     known = _known_fits(model)
-    if key in known:
-        return known[key]
+    memo = json.dumps(settings, sort_keys=True)
+    if memo in known:
+        return known[memo]
+    settings["sampled"] = fit_tokens(model)
+    key = json.dumps(settings, sort_keys=True)
     digest = hashlib.sha256((model_fingerprint(model) + key).encode()).hexdigest()
     path = fit_dir() / f"{digest[:32]}.json"
     layers = _read_fit(path)
@@ -263,7 +265,7 @@ def fitted_layers(model, name: str, measure: str, bits: int, part: str, budget: 
         report["seconds"] = time.perf_counter() - tic
         _write_fit(path, report)
         print(f"omlx_cache.layers: {report['scheme']} ({path})", file=sys.stderr)
-    known[key] = layers
+    known[memo] = layers
     return layers
 
 
