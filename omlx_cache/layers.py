@@ -73,6 +73,16 @@ def sampled_tokens(model, count: int = 512, seed: int = 0, progress=None):
     return mx.array(tokens)
 
 
+def sampled_window(model, count: int, seed: int = 0) -> mx.array:
+    """``sampled_tokens`` as one calibration window, shape (1, count), with a
+    progress bar on stderr."""
+    progress = kv_eval.Progress(count - 1)
+    progress.label = "sampling"
+    window = sampled_tokens(model, count, seed, progress)[None]
+    progress.close()
+    return window
+
+
 def layer_errors(
     model, windows, scheme: kv_schemes.Scheme, chunk: int = 128, progress=None
 ):
@@ -251,10 +261,7 @@ def fitted_layers(model, name: str, measure: str, bits: int, part: str, budget: 
             f"{num_layers + 1} passes over them)",
             file=sys.stderr,
         )
-        progress = kv_eval.Progress(count - 1)
-        progress.label = "sampling"
-        windows = sampled_tokens(model, count, 0, progress)[None]
-        progress.close()
+        windows = sampled_window(model, count)
         progress = kv_eval.Progress(num_layers + 1)
         measured = kv_schemes.get_scheme(measure)
         errors = layer_errors(model, windows, measured, 128, progress)
@@ -348,10 +355,7 @@ def main(argv=None) -> dict:
         print(hint, file=sys.stderr)
     tic = time.perf_counter()
     if args.sampled:
-        progress = kv_eval.Progress(args.sampled - 1)
-        progress.label = "sampling"
-        windows = sampled_tokens(model, args.sampled, args.seed, progress)[None]
-        progress.close()
+        windows = sampled_window(model, args.sampled, args.seed)
     else:
         tokens = kv_eval.encode(tokenizer, kv_eval.read_text(args.text))[args.skip :]
         windows = kv_eval.make_windows(
