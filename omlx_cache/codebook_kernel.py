@@ -1145,21 +1145,46 @@ def _cuda_available():
     return qd._cuda_available()
 
 
-_enabled = [True]
+PARTS = ("encode", "prefill", "decode")
+# the parts switched off, innermost ``disabled`` last
+_disabled = [frozenset()]
+# the dtype prefill attention decodes keys and values into (None: the
+# queries'); see ``prefill_attention``
+_prefill_dtype = [None]
 
 
 @contextlib.contextmanager
-def disabled():
-    """Within it the kernels are not used (the MLX-ops reference)."""
-    _enabled.append(False)
+def disabled(*parts):
+    """Within it the kernels of ``parts`` (``PARTS``; all by default: the
+    MLX-ops reference) are not used. With the decode kernel off, decode
+    tokens are not held for it either."""
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"Unknown kernel parts {sorted(unknown)}; expected {PARTS}.")
+    _disabled.append(_disabled[-1] | frozenset(parts or PARTS))
     try:
         yield
     finally:
-        _enabled.pop()
+        _disabled.pop()
 
 
-def _on_cuda() -> bool:
-    return _enabled[-1] and mx.default_device() == mx.gpu and _cuda_available()
+@contextlib.contextmanager
+def prefill_in(dtype):
+    """Within it prefill attention decodes keys and values into ``dtype`` and
+    attends in it (the output comes back in the queries' dtype)."""
+    _prefill_dtype.append(dtype)
+    try:
+        yield
+    finally:
+        _prefill_dtype.pop()
+
+
+def _on_cuda(part) -> bool:
+    return (
+        part not in _disabled[-1]
+        and mx.default_device() == mx.gpu
+        and _cuda_available()
+    )
 
 
 def _rotates(codec) -> bool | None:
@@ -1181,7 +1206,7 @@ def encodes(x: mx.array, codec) -> bool:
         x.ndim == 4
         and x.shape[-1] in (64, 128, 256)
         and _rotates(codec) is not None
-        and _on_cuda()
+        and _on_cuda("encode")
     )
 
 
@@ -1194,7 +1219,7 @@ def holds(keys, values, key_codec, value_codec) -> bool:
         and values.shape[-1] == D
         and _rotates(key_codec) is not None
         and _rotates(value_codec) is not None
-        and _on_cuda()
+        and _on_cuda("decode")
     )
 
 
@@ -1211,7 +1236,9 @@ def applies(
 ):
     """Whether ``attention`` handles this call (``length`` keys attended, held
     ones included)."""
-    if sinks is not None or not key_pages or not _on_cuda():
+    if sinks is not None or not key_pages:
+        return False
+    if not _on_cuda("decode" if queries.shape[2] == 1 else "prefill"):
         return False
     if _rotates(key_codec) is None or _rotates(value_codec) is None:
         return False
@@ -1309,9 +1336,11 @@ def prefill_attention(
     """Attention of several queries: the stored keys and values decoded (in
     the queries' dtype), the ``kept`` first tokens in place of their copies
     (as in ``decode_attention``; one sequence's, else None is returned for
-    the MLX-ops path), and ``mx.fast.scaled_dot_product_attention``."""
-    keys = _dequantize_pages(key_pages, key_codec, length, queries.dtype)
-    values = _dequantize_pages(value_pages, value_codec, length, queries.dtype)
+    the MLX-ops path), and ``mx.fast.scaled_dot_product_attention``, in the
+    queries' dtype unless ``prefill_in`` says otherwise."""
+    dtype = _prefill_dtype[-1] or queries.dtype
+    keys = _dequantize_pages(key_pages, key_codec, length, dtype)
+    values = _dequantize_pages(value_pages, value_codec, length, dtype)
     if kept is not None:
         kept_keys, kept_values, first, count = kept
         if not isinstance(first, int):
@@ -1322,9 +1351,10 @@ def prefill_attention(
         ):
             rows = rotate(rows[:, :, :count], c.rotation, inverse=True)
             x[:, :, first : first + count] = rows.astype(x.dtype)
-    return mx.fast.scaled_dot_product_attention(
-        queries, keys, values, scale=scale, mask=mask
+    out = mx.fast.scaled_dot_product_attention(
+        queries.astype(dtype), keys, values, scale=scale, mask=mask
     )
+    return out.astype(queries.dtype)
 
 
 # the combine kernel's name, inputs, outputs and source without and with the

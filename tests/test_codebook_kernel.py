@@ -234,6 +234,20 @@ def test_kernels_stay_out_of_the_way_off_cuda():
         )
 
 
+def test_parts_of_the_kernels_switch_off_alone():
+    with codebook_kernel.disabled("prefill"):
+        assert codebook_kernel._disabled[-1] == {"prefill"}
+        with codebook_kernel.disabled("decode"):
+            assert codebook_kernel._disabled[-1] == {"prefill", "decode"}
+        assert codebook_kernel._disabled[-1] == {"prefill"}
+        with codebook_kernel.disabled():
+            assert codebook_kernel._disabled[-1] == set(codebook_kernel.PARTS)
+    assert not codebook_kernel._disabled[-1]
+    with pytest.raises(ValueError, match="Unknown kernel parts"):
+        with codebook_kernel.disabled("prefil"):
+            pass
+
+
 def test_kernels_take_only_float16_norms():
     # the kernels write and read float16 norms: 8-bit ones take the ops path
     assert codebook_kernel._rotates(Codebook(3)) is True
