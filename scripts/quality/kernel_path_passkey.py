@@ -10,8 +10,8 @@ through fp16 KV once and through each scheme along each code path:
 - ``ops``: the MLX-ops reference (``codebook_kernel.disabled()``);
 - ``kernels``: what users run;
 - ``encode-ops``, ``prefill-ops``, ``decode-ops``: the kernels but that part;
-- ``prefill-f32``: the kernels, prefill attending float32 keys and values
-  (``codebook_kernel.prefill_in``).
+- ``prefill-f32``, ``prefill-f16``: the kernels, prefill attending float32
+  or float16 keys and values (``codebook_kernel.prefill_in``).
 
 Each path is paired with fp16 and with ``ops`` (keys lost / gained, McNemar p,
 the key's mean log-probability difference and its standard error), so a path
@@ -36,6 +36,7 @@ PATHS = {
     "prefill-ops": lambda: codebook_kernel.disabled("prefill"),
     "decode-ops": lambda: codebook_kernel.disabled("decode"),
     "prefill-f32": lambda: codebook_kernel.prefill_in(mx.float32),
+    "prefill-f16": lambda: codebook_kernel.prefill_in(mx.float16),
 }
 
 
