@@ -40,7 +40,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models import base
 from mlx_lm.models import quantized_decode as qd
+from mlx_lm.models import quantized_prefill as qp
 
 from .codebook import NORM_BITS, Codebook, lloyd_max, rotate
 
@@ -1171,7 +1173,8 @@ def disabled(*parts):
 @contextlib.contextmanager
 def prefill_in(dtype):
     """Within it prefill attention decodes keys and values into ``dtype`` and
-    attends in it (the output comes back in the queries' dtype)."""
+    attends in it (the output comes back in the queries' dtype), where
+    ``prefill_attention`` would choose by the head dim."""
     _prefill_dtype.append(dtype)
     try:
         yield
@@ -1322,6 +1325,46 @@ def _dequantize_pages(pages, codec, length, dtype):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
 
+def _fused(D, dtype) -> bool:
+    """Whether ``mx.fast.scaled_dot_product_attention`` attends queries like
+    these in one fused pass with float32 scores (cuDNN's flash attention:
+    halves, heads up to 128, as ``quantized_prefill.DECODED_HEAD_DIMS``);
+    else MLX makes the whole score matrix, in the inputs' dtype."""
+    return D in qp.DECODED_HEAD_DIMS and dtype in (mx.float16, mx.bfloat16)
+
+
+def _blocked_attention(queries, keys, values, scale, mask):
+    """``mx.fast.scaled_dot_product_attention`` a block of queries at a time,
+    so that the score matrix its unfused path makes stays within
+    ``base.quantized_sdpa_tile_scores()``."""
+    B, n_q_heads, L, _ = queries.shape
+    S = keys.shape[2]
+    rows = max(1, base.quantized_sdpa_tile_scores() // (B * n_q_heads * S))
+    if rows >= L:
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask
+        )
+    outs = []
+    for start in range(0, L, rows):
+        stop = min(start + rows, L)
+        block_mask, seen = mask, S
+        if isinstance(mask, str):
+            # causal: the block's last query is the one that sees its last key
+            seen = S - L + stop
+        elif mask is not None and mask.shape[-2] > 1:
+            block_mask = mask[..., start:stop, :]
+        out = mx.fast.scaled_dot_product_attention(
+            queries[:, :, start:stop],
+            keys[:, :, :seen],
+            values[:, :, :seen],
+            scale=scale,
+            mask=block_mask,
+        )
+        mx.eval(out)
+        outs.append(out)
+    return mx.concatenate(outs, axis=2)
+
+
 def prefill_attention(
     queries,
     key_pages,
@@ -1333,12 +1376,20 @@ def prefill_attention(
     length,
     kept=None,
 ):
-    """Attention of several queries: the stored keys and values decoded (in
-    the queries' dtype), the ``kept`` first tokens in place of their copies
-    (as in ``decode_attention``; one sequence's, else None is returned for
-    the MLX-ops path), and ``mx.fast.scaled_dot_product_attention``, in the
-    queries' dtype unless ``prefill_in`` says otherwise."""
-    dtype = _prefill_dtype[-1] or queries.dtype
+    """Attention of several queries: the stored keys and values decoded, the
+    ``kept`` first tokens in place of their copies (as in
+    ``decode_attention``; one sequence's, else None is returned for the
+    MLX-ops path), and ``mx.fast.scaled_dot_product_attention``.
+
+    That is one fused pass in the queries' dtype where cuDNN takes it
+    (``_fused``); elsewhere (heads of 256, float32 models) the copies are
+    float32 and the queries go a block at a time (``_blocked_attention``):
+    bfloat16 scores of Gemma's heads of 256 lost passkeys that float32 ones
+    find. ``prefill_in`` sets the dtype instead."""
+    D = queries.shape[-1]
+    dtype = _prefill_dtype[-1]
+    if dtype is None:
+        dtype = queries.dtype if _fused(D, queries.dtype) else mx.float32
     keys = _dequantize_pages(key_pages, key_codec, length, dtype)
     values = _dequantize_pages(value_pages, value_codec, length, dtype)
     if kept is not None:
@@ -1351,9 +1402,10 @@ def prefill_attention(
         ):
             rows = rotate(rows[:, :, :count], c.rotation, inverse=True)
             x[:, :, first : first + count] = rows.astype(x.dtype)
-    out = mx.fast.scaled_dot_product_attention(
-        queries.astype(dtype), keys, values, scale=scale, mask=mask
-    )
+    attend = _blocked_attention
+    if _fused(D, dtype):
+        attend = mx.fast.scaled_dot_product_attention
+    out = attend(queries.astype(dtype), keys, values, scale=scale, mask=mask)
     return out.astype(queries.dtype)
 
 

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 from kv_helpers import relative_error
+from mlx_lm.models import base
 from mlx_lm.models import quantized_decode as qd
 
 from omlx_cache import codebook_kernel
@@ -248,6 +249,29 @@ def test_parts_of_the_kernels_switch_off_alone():
             pass
 
 
+@pytest.mark.parametrize("mask", [None, "causal", "window", "additive"])
+def test_blocked_attention_is_one_call_a_block_at_a_time(monkeypatch, mask):
+    # the prefill's way past cuDNN (heads of 256): blocks of queries, each
+    # with its rows of the mask (causal: the keys its last query sees)
+    mx.random.seed(3)
+    q = mx.random.normal((1, 4, 40, 32))
+    k, v = mx.random.normal((2, 1, 2, 100, 32))
+    if mask == "window":
+        mask = base.create_causal_mask(40, 60, window_size=16)
+    elif mask == "additive":
+        mask = mx.random.normal((1, 1, 40, 100))
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
+    monkeypatch.setattr(base, "QUANTIZED_SDPA_TILE_SCORES", 4 * 100 * 7)
+    got = codebook_kernel._blocked_attention(q, k, v, 0.2, mask)
+    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+
+
+def test_prefill_is_fused_only_where_cudnn_takes_it():
+    assert codebook_kernel._fused(128, mx.bfloat16)
+    assert not codebook_kernel._fused(256, mx.bfloat16)
+    assert not codebook_kernel._fused(64, mx.float32)
+
+
 def test_kernels_take_only_float16_norms():
     # the kernels write and read float16 norms: 8-bit ones take the ops path
     assert codebook_kernel._rotates(Codebook(3)) is True
@@ -455,6 +479,25 @@ def test_attention_kernels_against_float32(
             assert relative_error(cache.held_keys[:, :, :held], came) < 1e-3
             ref = _reference(q1, cache, 0.1)  # (encodes the held tokens)
             assert relative_error(out, ref) < 5e-3, (t, held)
+
+
+@cuda_only
+def test_prefill_over_heads_of_256_scores_in_float32():
+    # cuDNN takes heads up to 128; past it MLX's scores would be bfloat16
+    # (Gemma's passkeys went missing): the prefill attends in float32
+    mx.random.seed(7)
+    cache = CodebookKVCache(4, page_size=1024, center="k", keep_exact=8)
+    k, v = (mx.random.normal((2, 1, 1, 3000, 256)) * 3).astype(mx.bfloat16)
+    cache.update_and_fetch(k, v)
+    q = (mx.random.normal((1, 4, 300, 256)) * 3).astype(mx.bfloat16)
+    mask = base.create_causal_mask(300, 2700, window_size=512)[None, None]
+    ref = _reference(q, cache, 0.0625, mask)
+    pages = (cache.key_pages, cache.value_pages)
+    out = cache.scaled_dot_product_attention(q, *pages, 0.0625, mask)
+    with codebook_kernel.prefill_in(mx.bfloat16):
+        bf16 = cache.scaled_dot_product_attention(q, *pages, 0.0625, mask)
+    assert relative_error(out, ref) < 5e-3
+    assert relative_error(bf16, ref) > 2 * relative_error(out, ref)
 
 
 @cuda_only
