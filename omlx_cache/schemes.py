@@ -87,7 +87,7 @@ PRESETS = {
     "q4": "4,3+rotate+center+qscale+exact8+res72/g64,32"
     "~4+rotate+center+qscale+exact8+k5@4.8",
     "q4-recall": "4+rotate+center+qscale+exact16",
-    "cq4": "codebook-4+center+qscale+exact8+k5@fit4.6+v5@global",
+    "cq4": "codebook-4+center+qscale+exact8+k5@fit4.6",
 }
 
 

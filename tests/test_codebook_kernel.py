@@ -263,7 +263,9 @@ def test_blocked_attention_is_one_call_a_block_at_a_time(monkeypatch, mask):
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask=mask)
     monkeypatch.setattr(base, "QUANTIZED_SDPA_TILE_SCORES", 4 * 100 * 7)
     got = codebook_kernel._blocked_attention(q, k, v, 0.2, mask)
-    assert np.allclose(np.array(got), np.array(want), atol=1e-5)
+    # (float32 matmuls are TF32 on CUDA: both calls are ~1e-3 off float64)
+    atol = 2e-3 if ON_CUDA else 1e-5
+    assert np.allclose(np.array(got), np.array(want), atol=atol)
 
 
 def test_prefill_is_fused_only_where_cudnn_takes_it():
