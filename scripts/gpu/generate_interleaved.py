@@ -13,7 +13,9 @@ interval of that ratio from the rounds: the order statistics a sign test
 gives). Scheme names as ``generate_speed.py`` (``4``, ``8,4``, ``codebook-3``,
 ``/h0``, ``/r0``, ...), plus ``/fill``: the cache filled with random normal
 keys and values instead of a prefill through the model (as
-``codebook_step_profile.py`` fills them), then one prompt token; and
+``codebook_step_profile.py`` fills them), then one prompt token;
+``/halfprefill``: a codebook cache's prefill attending in the model's dtype
+where it would take float32 (``codebook_kernel.prefill_in``); and
 ``name@span``: the decode kernels' keys per block fixed at ``span`` (128 or
 more) during that scheme's turns (``codebook_step_profile.decode_span``).
 
@@ -33,7 +35,7 @@ from codebook_step_profile import decode_span, split_span
 from generate_speed import generation, make_cache, parse
 from mlx_lm.generate import reserve_quantized_cache
 
-from omlx_cache import bench
+from omlx_cache import bench, codebook_kernel
 
 SKIPPED = 2  # steps of a turn not counted
 
@@ -68,8 +70,13 @@ def fill(model, cache, context, tokens):
 def start(model, name, context, tokens, vocab):
     """A scheme's ``generate_step``, prefilled: (generator, first token s)."""
     plain, filled, _ = split_name(name)
-    if {"nocopy", "clear"} & set(plain.split("/")):
+    options = plain.split("/")
+    if {"nocopy", "clear"} & set(options):
         raise ValueError(f"{name!r}: /nocopy and /clear change the whole process")
+    prefill_dtype = None
+    if "halfprefill" in options:
+        plain = "/".join(x for x in options if x != "halfprefill")
+        prefill_dtype = model.model.norm.weight.dtype
     prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
     cache, bits = make_cache(model, plain, context, tokens)
     if filled:
@@ -77,7 +84,8 @@ def start(model, name, context, tokens, vocab):
         prompt = prompt[-1:]
     tic = time.perf_counter()
     steps = generation(model, prompt, cache, bits, tokens)
-    next(steps)
+    with codebook_kernel.prefill_in(prefill_dtype):
+        next(steps)
     return steps, time.perf_counter() - tic
 
 
