@@ -45,7 +45,7 @@ def split_name(name):
     0) of a scheme name here."""
     base, span = split_span(name)
     options = base.split("/")
-    plain = "/".join(x for x in options if x != "fill")
+    plain = "/".join(x for x in options if x not in ("fill", "halfprefill"))
     return plain, "fill" in options, span
 
 
@@ -70,12 +70,10 @@ def fill(model, cache, context, tokens):
 def start(model, name, context, tokens, vocab):
     """A scheme's ``generate_step``, prefilled: (generator, first token s)."""
     plain, filled, _ = split_name(name)
-    options = plain.split("/")
-    if {"nocopy", "clear"} & set(options):
+    if {"nocopy", "clear"} & set(plain.split("/")):
         raise ValueError(f"{name!r}: /nocopy and /clear change the whole process")
     prefill_dtype = None
-    if "halfprefill" in options:
-        plain = "/".join(x for x in options if x != "halfprefill")
+    if "halfprefill" in split_span(name)[0].split("/"):
         prefill_dtype = model.model.norm.weight.dtype
     prompt = bench.random_tokens(context, vocab, seed=context)[:, 0]
     cache, bits = make_cache(model, plain, context, tokens)
