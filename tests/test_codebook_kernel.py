@@ -244,9 +244,11 @@ def test_parts_of_the_kernels_switch_off_alone():
         with codebook_kernel.disabled():
             assert codebook_kernel._disabled[-1] == set(codebook_kernel.PARTS)
     assert not codebook_kernel._disabled[-1]
-    with pytest.raises(ValueError, match="Unknown kernel parts"):
-        with codebook_kernel.disabled("prefil"):
-            pass
+    with (
+        pytest.raises(ValueError, match="Unknown kernel parts"),
+        codebook_kernel.disabled("prefil"),
+    ):
+        pass
 
 
 @pytest.mark.parametrize("mask", [None, "causal", "window", "additive"])
