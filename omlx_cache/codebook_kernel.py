@@ -153,6 +153,12 @@ __device__ __forceinline__ uint32_t cb5_pair(uint32_t t) {{
   return ((lo & ~upper) | (hi & upper)) ^ ((~t << 11) & 0x80008000u);
 }}
 
+// 5-bit rows: where element r of a 32-element block has its high bit in the
+// block's fifth word (codebook.split_5bit)
+__device__ __forceinline__ int high_bit5(int r) {{
+  return 16 * ((r >> 2) & 1) + 4 * (r >> 3) + (r & 3);
+}}
+
 // 5-bit rows: a pair's two high bits (codebook.split_5bit) at bits 4 and 20,
 // for the elements at nibble j and j + 4 of word w of a 32-element block
 __device__ __forceinline__ uint32_t high_pair5(uint32_t high, int w, int j) {{
@@ -315,7 +321,7 @@ _ENCODE_SOURCE = """
                 }
             }
             if (BITS == 5) {
-                const int at = 16 * ((lane >> 2) & 1) + 4 * (lane >> 3) + (lane & 3);
+                const int at = high_bit5(lane);
                 const uint32_t high = __reduce_or_sync(0xffffffff, (c >> 4) << at);
                 if (lane == 0) {
                     out[5 * i + 4] = high;
@@ -358,7 +364,7 @@ _DEQUANT_SOURCE = """
             level = CB_LEVELS4[c];
         } else {
             const uint32_t low = (row[5 * i + (lane >> 3)] >> (4 * (lane & 7))) & 15u;
-            const int at = 16 * ((lane >> 2) & 1) + 4 * (lane >> 3) + (lane & 3);
+            const int at = high_bit5(lane);
             level = CB_LEVELS5[low | (((row[5 * i + 4] >> at) & 1u) << 4)];
         }
         v[i] = level * scale;
