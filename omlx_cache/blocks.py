@@ -41,7 +41,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
 from . import center as _center  # noqa: F401  (defines the centered caches)
 from . import unified_memory
-from .codebook import CodebookKVCache
+from .codebook import CodebookKVCache, WindowedCodebookKVCache
 
 FORMAT = "omlx-prefix-block"
 # 2: five-bit codebook indices stored as low and high bits (codebook.split_5bit)
@@ -446,11 +446,14 @@ LAYOUTS = {
     QuantizedKVCache: QuantizedLayout(),
     CodebookKVCache: LinearLayout(),
     RotatingKVCache: RingLayout(),
+    # its first tokens are gone once it drops pages: no prefix to store
+    WindowedCodebookKVCache: None,
 }
 
 
 def layout_of(cls):
-    """The layout of a cache class (its nearest base that has one), or None."""
+    """The layout of a cache class (its nearest base listed in ``LAYOUTS``),
+    or None (no base listed, or listed with none)."""
     for base in cls.__mro__:
         if base in LAYOUTS:
             return LAYOUTS[base]
@@ -505,7 +508,8 @@ class Plan:
         self.parts = {}  # part name ("n.keys.j"): (dtype, shape in a block)
         for n, d in enumerate(self.described):
             cls = cache_class(d["class"])
-            if cls is None or layout_of(cls).name != d["layout"]:
+            layout = None if cls is None else layout_of(cls)
+            if layout is None or layout.name != d["layout"]:
                 raise BadBlock(f"unknown cache class {d['class']!r}")
             names = {}
             for kind in ("keys", "values"):

@@ -1063,13 +1063,14 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
         return self.offset
 
     def update_and_fetch(self, keys, values):
-        if not self._hold_first_write(keys, values, self.offset):
+        # positions in the pages (a windowed cache drops its first ones)
+        if not self._hold_first_write(keys, values, self._length()):
             if not self.empty() and keys.shape[2] == 1 and self._hold(keys, values):
                 return self.key_pages, self.value_pages
             self._flush()
             if self.empty():
                 self._check_dims(keys, values)
-            self._write_pages(keys, values, self.offset, self.page_size)
+            self._write_pages(keys, values, self._length(), self.page_size)
         self.offset += keys.shape[2]
         return self.key_pages, self.value_pages
 
@@ -1149,6 +1150,101 @@ class CodebookKVCache(_CodebookKV, _BaseCache):
     @classmethod
     def merge(cls, caches):
         return BatchCodebookKVCache.merge(caches)
+
+
+@register_cache_class
+class WindowedCodebookKVCache(CodebookKVCache):
+    """``CodebookKVCache`` for a sliding-window layer (Gemma 3's local ones):
+    the pages whose tokens no query can see any more, all older than the
+    ``window`` tokens before the call's first query, are dropped, so the
+    layer holds at most ``max_size`` tokens between decode steps where a
+    ``CodebookKVCache`` holds the whole context. The masks the model makes
+    (``make_mask(window_size=...)``) lose the dropped tokens' columns;
+    attention is the same. Pages default to the window's size (in multiples
+    of 16, as the decode kernel's tiles). The first tokens kept unquantized (``keep_exact``) go with the
+    first page. Not batched (``merge``), and trimmable only until a page is
+    dropped."""
+
+    def __init__(self, window: int, keys=3, values=None, page_size=None, **kwargs):
+        if window < 1:
+            raise ValueError(f"A window must hold at least one token, got {window}.")
+        page_size = page_size or -(-window // 16) * 16
+        super().__init__(keys, values, page_size, **kwargs)
+        self.window = int(window)
+        self.dropped = 0
+
+    # one page per window: generate_step's reservation (one page for the
+    # whole generation) would hold every token
+    @property
+    def reserve(self):
+        return None
+
+    @reserve.setter
+    def reserve(self, tokens):
+        pass
+
+    @property
+    def max_size(self):
+        """The most tokens its pages hold between decode steps: a window's
+        worth and the rest of the page the oldest token it sees is in."""
+        return -(-(self.window + self.page_size - 1) // self.page_size) * self.page_size
+
+    def _length(self):
+        return self.offset - self.dropped
+
+    def _dropped_at(self, offset: int) -> int:
+        """Tokens dropped once a call's queries start at ``offset``: the
+        whole pages before the first token its first query sees."""
+        unseen = offset - self.window + 1 - self.dropped
+        return self.dropped + max(0, unseen // self.page_size) * self.page_size
+
+    def _drop_unseen(self):
+        pages = (self._dropped_at(self.offset) - self.dropped) // self.page_size
+        if not pages:
+            return
+        del self.key_pages[:pages], self.value_pages[:pages]
+        self.dropped += pages * self.page_size
+        # the kept first tokens were in the first page
+        self.exact_keys = self.exact_values = None
+
+    def update_and_fetch(self, keys, values):
+        self._drop_unseen()
+        return super().update_and_fetch(keys, values)
+
+    def _may_keep(self, offset) -> bool:
+        return not self.dropped and super()._may_keep(offset)
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        mask = create_attention_mask(N, self.offset, return_array, window_size)
+        dropped = self._dropped_at(self.offset)
+        if dropped and isinstance(mask, mx.array):
+            mask = mask[..., dropped:]
+        return mask
+
+    def is_trimmable(self):
+        return not self.dropped
+
+    def trim(self, n):
+        return super().trim(min(n, self._length()))
+
+    @property
+    def state(self):
+        return (self.window, self.dropped, *super().state)
+
+    @state.setter
+    def state(self, v):
+        window, dropped, keys, values, offset, *settings = v
+        self._set_state(keys, values, int(offset) - int(dropped), *settings)
+        self.window, self.dropped, self.offset = int(window), int(dropped), int(offset)
+        self.n_held = 0
+        self.incoming = None
+
+    @classmethod
+    def merge(cls, caches):
+        raise NotImplementedError(
+            "WindowedCodebookKVCache does not batch: its sequences drop "
+            "different pages."
+        )
 
 
 @register_cache_class

@@ -158,7 +158,8 @@ def layers_within(model, errors, name: str, bits: int, part: str, budget: float)
 
 # Layers fitted by ``fitted_layers``: in memory per model, and on disk
 SAMPLED_TOKENS = 512
-FIT_VERSION = 1
+# 2: codebook schemes hold only their window in sliding layers (fewer bits)
+FIT_VERSION = 2
 _fitted = {}  # id(model): (a weak reference to it, {settings: layers})
 
 

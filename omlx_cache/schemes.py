@@ -35,7 +35,14 @@ from .center import (
     CenteredQuantizedRotatingKVCache,
     centered,
 )
-from .codebook import NORM_BITS, Affine, Codebook, CodebookKVCache, Plain
+from .codebook import (
+    NORM_BITS,
+    Affine,
+    Codebook,
+    CodebookKVCache,
+    Plain,
+    WindowedCodebookKVCache,
+)
 
 # the scales and biases of affine quantization, as a float16 / bfloat16 model stores them
 SCALE_BITS = 16
@@ -470,7 +477,8 @@ def scheme_codecs(
     "element, ranked per model on text it samples itself, once, kept in ~/.cache/omlx-cache; "
     "+v5@global: the values of the layers that attend the whole context in a model with "
     "sliding-window layers); "
-    "sliding-window layers hold the whole context (same attention)",
+    "sliding-window layers drop the pages their window no longer sees "
+    "(WindowedCodebookKVCache)",
 )
 def codebook(
     name,
@@ -527,14 +535,16 @@ def codebook(
         last = max(chosen[-1:] + chosen_values[-1:], default=-1)
         if last >= n:
             raise ValueError(f"{name}: layer {last} of a model with {n} layers.")
+        settings = {
+            "center": center,
+            "keep_exact": keep_exact,
+            "key_scale": key_scale_option(qscale, qscale_mode),
+        }
         return [
-            CodebookKVCache(
-                *codecs(i),
-                center=center,
-                keep_exact=keep_exact,
-                key_scale=key_scale_option(qscale, qscale_mode),
-            )
-            for i in range(n)
+            CodebookKVCache(*codecs(i), **settings)
+            if window is None
+            else WindowedCodebookKVCache(window, *codecs(i), **settings)
+            for i, window in enumerate(layer_windows(model))
         ]
 
     bits = (c.bits_per_element(NOMINAL_HEAD_DIM) for c in (keys, values))
@@ -545,6 +555,12 @@ def codebook(
         kept_tokens=keep_exact,
         high_layers=tuple(sorted({*high_layers, *value_high_layers})),
     )
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each layer's sliding window (the ``max_size`` of the rotating cache
+    the model makes for it), or None where it attends the whole context."""
+    return [getattr(c, "max_size", None) for c in make_prompt_cache(model)]
 
 
 def global_layers(model: nn.Module) -> tuple[int, ...]:
