@@ -4,10 +4,9 @@ the pages no query sees any more are dropped, attention stays the same."""
 import mlx.core as mx
 import pytest
 from kv_helpers import relative_error
-from mlx_lm.models import gemma3_text
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from mlx_lm.server import _can_merge
-from test_center import TINY_GEMMA
+from test_center_key_scale import tiny_gemma
 
 from omlx_cache import blocks, models, schemes
 from omlx_cache.codebook import CodebookKVCache, WindowedCodebookKVCache
@@ -19,14 +18,6 @@ ON_CUDA = mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 def same(a, b):
     return relative_error(a, b) < 2e-3 if ON_CUDA else mx.array_equal(a, b)
-
-
-def tiny_gemma():
-    """A Gemma 3 of two 16-token sliding-window layers and a global one."""
-    mx.random.seed(0)
-    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(TINY_GEMMA))
-    mx.eval(model.parameters())
-    return model
 
 
 def whole_context(caches):
