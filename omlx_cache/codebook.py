@@ -1161,9 +1161,9 @@ class WindowedCodebookKVCache(CodebookKVCache):
     ``CodebookKVCache`` holds the whole context. The masks the model makes
     (``make_mask(window_size=...)``) lose the dropped tokens' columns;
     attention is the same. Pages default to the window's size (in multiples
-    of 16, as the decode kernel's tiles). The first tokens kept unquantized (``keep_exact``) go with the
-    first page. Not batched (``merge``), and trimmable only until a page is
-    dropped."""
+    of 16, as the decode kernel's tiles). The first tokens kept unquantized
+    (``keep_exact``) go with the first page. Not batched (``merge``), and
+    trimmable only until a page is dropped."""
 
     def __init__(self, window: int, keys=3, values=None, page_size=None, **kwargs):
         if window < 1:

@@ -41,7 +41,7 @@ import mlx.core as mx
 import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.generate import generate_step
-from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from . import eval as kv_eval
 from . import schemes as kv_schemes
@@ -220,8 +220,7 @@ def fit_tokens(model) -> int:
     """``SAMPLED_TOKENS``, or a model's shortest sliding window if shorter: a
     layer measured alone holds the whole text, and its window mask must match
     the rotating caches beside it, which then hold it all too."""
-    caches = make_prompt_cache(model)
-    windows = [c.max_size for c in caches if isinstance(c, RotatingKVCache)]
+    windows = [w for w in kv_schemes.layer_windows(model) if w is not None]
     return min([SAMPLED_TOKENS, *windows])
 
 

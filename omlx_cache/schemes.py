@@ -110,10 +110,16 @@ def get_scheme(name: str, group_size=64) -> Scheme:
     raise ValueError(f"Unknown KV cache scheme {name!r}; known forms: {known_forms()}.")
 
 
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each layer's sliding window (the ``max_size`` of the rotating cache
+    the model makes for it), or None where it attends the whole context."""
+    return [getattr(c, "max_size", None) for c in make_prompt_cache(model)]
+
+
 def bounded_layers(model: nn.Module) -> list[bool]:
     """Which layers of ``model`` make a bounded (sliding-window) cache by
     default, as Gemma 3's local layers do."""
-    return [hasattr(c, "max_size") for c in make_prompt_cache(model)]
+    return [window is not None for window in layer_windows(model)]
 
 
 def windowed(scheme: Scheme, max_kv_size: int, keep: int = 4) -> Scheme:
@@ -555,12 +561,6 @@ def codebook(
         kept_tokens=keep_exact,
         high_layers=tuple(sorted({*high_layers, *value_high_layers})),
     )
-
-
-def layer_windows(model: nn.Module) -> list[int | None]:
-    """Each layer's sliding window (the ``max_size`` of the rotating cache
-    the model makes for it), or None where it attends the whole context."""
-    return [getattr(c, "max_size", None) for c in make_prompt_cache(model)]
 
 
 def global_layers(model: nn.Module) -> tuple[int, ...]:
