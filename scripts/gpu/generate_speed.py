@@ -10,7 +10,9 @@ too), ``/slices`` has codebook caches write each held token into their
 buffer as it comes instead of their decode kernel (``kernel_writes_held``),
 ``/r0`` leaves the cache unreserved (pages of 4,096 tokens as they fill),
 ``/clear`` empties MLX's buffer cache once the first token is out
-(what the prefill's freed buffers do to decode). ``codebook-...``
+(what the prefill's freed buffers do to decode), ``/qmm`` has the CPU
+multiply a prefill's tiles by ``mx.quantized_matmul`` (before patch 0026,
+which multiplies them dequantized). ``codebook-...``
 names (``omlx_cache.schemes``, e.g. ``codebook-3``, ``codebook-3k-4v``) build
 ``CodebookKVCache``s whose first page holds what ``generate_step`` reserves
 for a quantized cache (the prompt plus at most 4,096 new tokens; ``/r0``:
@@ -29,7 +31,7 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models import quantized_prefill
+from mlx_lm.models import base, quantized_prefill
 from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
 
 from omlx_cache import bench
@@ -53,7 +55,7 @@ def parse(name: str):
     held = 0 if "h0" in options else None
     reserve = 0 if "r0" in options else None
     counts = {"x": 0, "res": 0}
-    unknown = set(options) - {"h0", "slices", "r0", "nocopy", "clear"}
+    unknown = set(options) - {"h0", "slices", "r0", "nocopy", "clear", "qmm"}
     for option in sorted(unknown):
         for prefix in counts:
             if option.startswith(prefix) and option[len(prefix) :].isdigit():
@@ -62,6 +64,18 @@ def parse(name: str):
     if unknown:
         raise ValueError(f"unknown scheme options {sorted(unknown)} in {name!r}")
     return bits, held, reserve, counts["x"], counts["res"]
+
+
+@contextlib.contextmanager
+def cpu_quantized_matmul(on: bool):
+    """Prefill tiles multiplied by ``mx.quantized_matmul`` on the CPU (on), or
+    dequantized as patch 0026 has them (as is)."""
+    rows = base.CPU_DEQUANTIZED_ROWS
+    base.CPU_DEQUANTIZED_ROWS = 1 << 30 if on else rows
+    try:
+        yield
+    finally:
+        base.CPU_DEQUANTIZED_ROWS = rows
 
 
 @contextlib.contextmanager
@@ -119,11 +133,12 @@ def run(model, name, context, tokens, vocab):
     mx.clear_cache()
     mx.reset_peak_memory()
     times = []
-    with prefill_copy("nocopy" not in name.split("/")):
+    options = name.split("/")
+    with prefill_copy("nocopy" not in options), cpu_quantized_matmul("qmm" in options):
         start = time.perf_counter()
         for _ in generation(model, prompt, cache, bits, tokens):
             times.append(time.perf_counter())
-            if len(times) == 1 and "clear" in name.split("/"):
+            if len(times) == 1 and "clear" in options:
                 mx.clear_cache()
     steps = [b - a for a, b in itertools.pairwise(times)]
     return {
@@ -152,10 +167,15 @@ def main():
     parser.add_argument(
         "--warmup", type=int, default=4608, help="context of an untimed run"
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["float16", "bfloat16", "float32"],
+        help="the model's dtype (default: the preset's; float32 suits the CPU)",
+    )
     parser.add_argument("--out", required=True)
     opts = parser.parse_args()
     preset = bench.PRESETS[opts.preset]
-    dtype = getattr(mx, preset.get("dtype", "float16"))
+    dtype = getattr(mx, opts.dtype or preset.get("dtype", "float16"))
     model = bench.build_model(preset, dtype)
     vocab = model.args.vocab_size
     # The first run of each scheme compiles its kernels (MLX caches them on
