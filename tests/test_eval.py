@@ -304,6 +304,35 @@ def test_passkey_keys_pair_with_the_reference(tmp_path, model):
     assert 0 <= vs["p"] <= 1
 
 
+@pytest.mark.parametrize(
+    "name", ["fp16", "4+rotate+center+qscale+exact4", "codebook-4+center+exact4"]
+)
+def test_passkey_trial_needs_the_last_chunks_logits_only(tmp_path, model, name):
+    from mlx_lm import load
+
+    write_model_dir(tmp_path / "tiny", model)
+    model, tokenizer = load(str(tmp_path / "tiny"))
+    prompt = kv_eval.passkey_prompt(tokenizer, 300, 0.5, "68755", bos=1)
+    scheme = schemes.get_scheme(name)
+    trial = kv_eval.passkey_trial(model, prompt, scheme.make_cache(model), 64)
+
+    # every chunk's logits evaluated, then the key's tokens fed one at a time
+    cache = scheme.make_cache(model)
+    tokens = mx.array(prompt.tokens)
+    for start in range(0, tokens.size, 64):
+        logits = model(tokens[None, start : start + 64], cache=cache)[0, -1]
+        mx.eval(logits)
+    predicted, logprob = [], 0.0
+    for i, target in enumerate(prompt.answer):
+        if i:
+            logits = model(mx.array([[prompt.answer[i - 1]]]), cache=cache)[0, -1]
+        logprobs = logits.astype(mx.float32) - mx.logsumexp(logits.astype(mx.float32))
+        predicted.append(int(mx.argmax(logprobs).item()))
+        logprob += logprobs[target].item()
+    assert trial["predicted"] == predicted
+    assert trial["answer_logprob"] == logprob
+
+
 def test_scheme_that_does_not_fit_fails_first(tmp_path, model):
     out = tmp_path / "eval.json"
     argv = [*model_and_text(tmp_path, model), "--kv", "4"]
