@@ -13,6 +13,8 @@ package and quantized again to MLX 4 bits.
 """
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import math
@@ -512,8 +514,24 @@ def mlx_quantize(model_dir: Path, dtype: mx.Dtype):
     return weights, {**config, "torch_dtype": dtype_name(dtype)}
 
 
+@contextlib.contextmanager
+def import_lock(spec: ModelSpec, out_root: Path):
+    """One import of a model at a time, across processes (``make models``
+    beside the tests' own imports): the others wait, then find it done."""
+    path = Path(out_root) / ".cache" / f"{spec.name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 def import_model(spec: ModelSpec, out_root: Path, force: bool = False):
     """Write ``<out>/<name>`` (quantized) and ``<out>/<name>-f32``."""
+    with import_lock(spec, out_root):
+        return _import_model(spec, out_root, force)
+
+
+def _import_model(spec: ModelSpec, out_root: Path, force: bool):
     quantized_dir, float_dir = output_dirs(spec, out_root)
     if not force and is_complete(quantized_dir) and is_complete(float_dir):
         log(f"{spec.name}: {quantized_dir} and {float_dir} exist, skipping")

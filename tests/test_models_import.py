@@ -94,6 +94,23 @@ def test_hash_mismatch_names_file_and_hashes(tmp_path):
     assert models.sha256_file(path) in message
 
 
+def test_imports_of_one_model_wait_for_each_other(smollm2_dirs):
+    import threading
+
+    root = models.REPO_ROOT / "models"
+    done = []
+    spec = models.MODELS["smollm2"]
+    importer = threading.Thread(
+        target=lambda: done.append(models.import_model(spec, root))
+    )
+    with models.import_lock(spec, root):
+        importer.start()
+        importer.join(0.5)
+        assert importer.is_alive() and not done
+    importer.join(60)
+    assert done == [smollm2_dirs]
+
+
 def test_tokenizer(smollm2_dirs):
     from transformers import AutoTokenizer
 
