@@ -26,6 +26,7 @@ import json
 import math
 import os
 import platform
+import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -309,6 +310,8 @@ PASSKEY_FILLER = (
 )
 PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key.\n"
 PASSKEY_QUESTION = "What is the pass key? The pass key is"
+# tokens a greedy answer may take past the key's own before it holds the key
+PASSKEY_SLACK = 8
 
 
 @dataclass
@@ -379,18 +382,24 @@ def passkey_prompts(
     ]
 
 
-def passkey_trial(model, prompt: PasskeyPrompt, cache: list, chunk: int) -> dict:
-    """Prefill ``prompt`` through ``cache`` in chunks and decode greedily, one
-    token at a time, as many tokens as the key has, each step fed the key's
-    token (so the steps after a wrong one still say how far off it is)."""
-    tokens = mx.array(prompt.tokens)
+def prefill(model, tokens: list[int], cache: list, chunk: int) -> mx.array:
+    """The last position's logits after ``tokens`` go through ``cache`` in
+    chunks of ``chunk``."""
+    tokens = mx.array(tokens)
     starts = range(0, tokens.size, chunk)
     for start in starts[:-1]:
         # the caches only, as generate_step prefills: the logits of every
         # position of a chunk (a 262K vocabulary on Gemma) are not needed
         model(tokens[None, start : start + chunk], cache=cache)
         mx.eval([c.state for c in cache])
-    logits = model(tokens[None, starts[-1] :], cache=cache)[0, -1]
+    return model(tokens[None, starts[-1] :], cache=cache)[0, -1]
+
+
+def passkey_trial(model, prompt: PasskeyPrompt, cache: list, chunk: int) -> dict:
+    """Prefill ``prompt`` through ``cache`` in chunks and decode greedily, one
+    token at a time, as many tokens as the key has, each step fed the key's
+    token (so the steps after a wrong one still say how far off it is)."""
+    logits = prefill(model, prompt.tokens, cache, chunk)
     predicted, logprob = [], 0.0
     for i, target in enumerate(prompt.answer):
         if i:
@@ -409,6 +418,25 @@ def passkey_trial(model, prompt: PasskeyPrompt, cache: list, chunk: int) -> dict
     }
 
 
+def passkey_answer(
+    model, prompt: PasskeyPrompt, cache: list, chunk: int, steps: int
+) -> list[int]:
+    """The ``steps`` tokens greedy decoding writes after ``prompt``, each step
+    fed the token it chose."""
+    logits = prefill(model, prompt.tokens, cache, chunk)
+    answer = []
+    for step in range(steps):
+        if step:
+            logits = model(mx.array([[answer[-1]]]), cache=cache)[0, -1]
+        answer.append(int(mx.argmax(logits).item()))
+    return answer
+
+
+def answer_has_key(answer: str, key: str) -> bool:
+    """Whether ``key`` stands in ``answer`` as a number of its own."""
+    return re.search(rf"(?<!\d){re.escape(key)}(?!\d)", answer) is not None
+
+
 def evaluate_passkey(
     model,
     tokenizer,
@@ -421,10 +449,14 @@ def evaluate_passkey(
     progress: Progress | None = None,
     keys: int = 1,
 ) -> list[dict]:
-    """Per scheme, ``{context: {"correct", "trials", "runs": [trial, ...]}}``
-    for ``keys`` passkeys at each of ``depths`` in prompts of ``contexts``
-    tokens; the schemes after the first (the reference) also get
-    ``"vs_reference"`` (``paired_outcomes``)."""
+    """Per scheme, ``{context: {"correct", "found", "trials", "runs": [trial,
+    ...]}}`` for ``keys`` passkeys at each of ``depths`` in prompts of
+    ``contexts`` tokens: ``correct`` counts the trials that predict every
+    token of the key (``passkey_trial``), ``found`` those whose greedy answer
+    holds the key (a trial that is not correct decodes its ``answer`` again,
+    from a fresh cache). The schemes after the first (the reference) also
+    get ``"vs_reference"`` (``paired_outcomes``) and ``"found_vs_reference"``
+    (``mcnemar`` of ``found``)."""
     results = [{} for _ in schemes]
     for context in contexts:
         for prompt in passkey_prompts(tokenizer, context, depths, keys, seed, bos):
@@ -434,6 +466,16 @@ def evaluate_passkey(
                         f"passkey {context}, depth {prompt.depth:.2f}, kv {scheme.name}"
                     )
                 trial = passkey_trial(model, prompt, scheme.make_cache(model), chunk)
+                if not trial["correct"]:
+                    # what the model says, as its own greedy answer: a miss
+                    # may be a first word (" the 80365") and the key after it
+                    steps = len(prompt.answer) + PASSKEY_SLACK
+                    cache = scheme.make_cache(model)
+                    answer = passkey_answer(model, prompt, cache, chunk, steps)
+                    trial["answer"] = tokenizer.decode(answer)
+                trial["found"] = trial["correct"] or answer_has_key(
+                    trial["answer"], prompt.key
+                )
                 runs = result.setdefault(str(context), {"runs": []})["runs"]
                 runs.append(trial)
                 if progress is not None:
@@ -442,27 +484,36 @@ def evaluate_passkey(
         for context, by_context in result.items():
             by_context["trials"] = len(by_context["runs"])
             by_context["correct"] = sum(t["correct"] for t in by_context["runs"])
+            by_context["found"] = sum(t["found"] for t in by_context["runs"])
             if result is not results[0]:
                 reference = results[0][context]["runs"]
-                by_context["vs_reference"] = paired_outcomes(
-                    reference, by_context["runs"]
-                )
+                runs = by_context["runs"]
+                by_context["vs_reference"] = paired_outcomes(reference, runs)
+                by_context["found_vs_reference"] = mcnemar(reference, runs, "found")
     return results
+
+
+def mcnemar(reference: Sequence[dict], runs: Sequence[dict], outcome: str) -> dict:
+    """Trials whose ``outcome`` the reference has and the runs on the same
+    prompts lack (``lost``), the other way round (``gained``), and the exact
+    two-sided McNemar p-value of that difference (a binomial test on the
+    trials that differ)."""
+    lost = sum(r[outcome] and not t[outcome] for r, t in zip(reference, runs))
+    gained = sum(t[outcome] and not r[outcome] for r, t in zip(reference, runs))
+    n, low = lost + gained, min(lost, gained)
+    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2**n if n else 1.0
+    return {"lost": lost, "gained": gained, "p": min(1.0, 2 * tail)}
 
 
 def paired_outcomes(reference: Sequence[dict], runs: Sequence[dict]) -> dict:
     """How a scheme's passkey trials differ from the reference's on the same
-    prompts: keys ``lost`` (the reference retrieved them, the scheme did not),
-    ``gained``, and the exact two-sided McNemar p-value of that difference
-    (a binomial test on the trials that differ). Trials that carry the key's
-    log-probability (``passkey_trial``) add the mean paired difference of it
-    and that mean's standard error, ``logprob_delta`` and ``logprob_delta_se``:
-    a finer measure than found or not."""
-    lost = sum(r["correct"] and not t["correct"] for r, t in zip(reference, runs))
-    gained = sum(t["correct"] and not r["correct"] for r, t in zip(reference, runs))
-    n, low = lost + gained, min(lost, gained)
-    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2**n if n else 1.0
-    outcomes = {"lost": lost, "gained": gained, "p": min(1.0, 2 * tail)}
+    prompts: keys ``lost`` (the reference predicted all the key's tokens, the
+    scheme did not), ``gained``, and their McNemar p (``mcnemar``). Trials
+    that carry the key's log-probability (``passkey_trial``) add the mean
+    paired difference of it and that mean's standard error,
+    ``logprob_delta`` and ``logprob_delta_se``: a finer measure than found or
+    not."""
+    outcomes = mcnemar(reference, runs, "correct")
     pairs = [(r, t) for r, t in zip(reference, runs) if "answer_logprob" in r]
     if pairs and all("answer_logprob" in t for _, t in pairs):
         delta = np.array([t["answer_logprob"] - r["answer_logprob"] for r, t in pairs])
@@ -615,12 +666,18 @@ def element_bits(r: dict) -> dict:
 
 
 def format_passkey(r: dict) -> str:
-    """``4096: 8/8, 8192: 7/8 (-2 +1)`` from a result's passkey trials: keys
-    retrieved, then lost and gained against the reference's trials."""
+    """``4096: 8/8, 8192: 7/8 (-2 +1), in answer 8/8 (-0 +0)`` from a
+    result's passkey trials: keys whose every token greedy decoding predicts,
+    then lost and gained against the reference's trials; then the keys its
+    greedy answers hold (runs stored before that count lack it)."""
     parts = []
     for context, x in r.get("passkey", {}).items():
         part = f"{context}: {x['correct']}/{x['trials']}"
         if vs := x.get("vs_reference"):
+            part += f" (-{vs['lost']} +{vs['gained']})"
+        if "found" in x:
+            part += f", in answer {x['found']}/{x['trials']}"
+        if vs := x.get("found_vs_reference"):
             part += f" (-{vs['lost']} +{vs['gained']})"
         parts.append(part)
     return ", ".join(parts)

@@ -302,6 +302,45 @@ def test_passkey_keys_pair_with_the_reference(tmp_path, model):
     vs = results[1]["300"]["vs_reference"]
     assert set(vs) == {"lost", "gained", "p", "logprob_delta", "logprob_delta_se"}
     assert 0 <= vs["p"] <= 1
+    for result in results:
+        runs = result["300"]["runs"]
+        assert result["300"]["found"] == sum(t["found"] for t in runs)
+        for t in runs:
+            # a miss carries the greedy answer it was judged on
+            assert t["correct"] or isinstance(t["answer"], str)
+            assert t["found"] == (t["correct"] or t["key"] in t["answer"])
+    assert set(results[1]["300"]["found_vs_reference"]) == {"lost", "gained", "p"}
+
+
+@pytest.mark.parametrize("name", ["fp16", "codebook-4+center+exact4"])
+def test_passkey_answer_decodes_its_own_tokens(tmp_path, model, name):
+    from mlx_lm import load
+    from mlx_lm.generate import generate_step
+
+    write_model_dir(tmp_path / "tiny", model)
+    model, tokenizer = load(str(tmp_path / "tiny"))
+    prompt = kv_eval.passkey_prompt(tokenizer, 300, 0.5, "68755", bos=1)
+    scheme = schemes.get_scheme(name)
+    answer = kv_eval.passkey_answer(model, prompt, scheme.make_cache(model), 64, 6)
+    trial = kv_eval.passkey_trial(model, prompt, scheme.make_cache(model), 64)
+    assert answer[0] == trial["predicted"][0]
+    # what generate_step writes greedily with the same cache and prefill step
+    steps = generate_step(
+        mx.array(prompt.tokens),
+        model,
+        max_tokens=6,
+        prompt_cache=scheme.make_cache(model),
+        prefill_step_size=64,
+    )
+    assert answer == [int(token) for token, _ in steps]
+
+
+def test_answer_has_key():
+    assert kv_eval.answer_has_key(" 68755", "68755")
+    assert kv_eval.answer_has_key(" the 68755. Remember", "68755")
+    assert not kv_eval.answer_has_key(" 168755", "68755")
+    assert not kv_eval.answer_has_key(" 687550", "68755")
+    assert not kv_eval.answer_has_key(" 6875", "68755")
 
 
 @pytest.mark.parametrize(
@@ -355,6 +394,8 @@ def test_paired_outcomes():
     assert (vs["lost"], vs["gained"], vs["p"]) == (1, 1, 1.0)
     r = {"passkey": {"8192": {"correct": 6, "trials": 8, "vs_reference": vs}}}
     assert kv_eval.format_passkey(r) == "8192: 6/8 (-1 +1)"
+    r["passkey"]["8192"].update(found=7, found_vs_reference=same)
+    assert kv_eval.format_passkey(r) == "8192: 6/8 (-1 +1), in answer 7/8 (-0 +0)"
 
     def scored(logprobs):
         return [{"correct": True, "answer_logprob": x} for x in logprobs]

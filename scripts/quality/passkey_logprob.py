@@ -6,6 +6,8 @@ For each file, scheme and context: the keys found, keys lost and gained against
 the file's first scheme (McNemar p), and the mean paired difference of the key's
 log-probability with its standard error (``eval.paired_outcomes``). Runs stored
 before the eval added that difference get it here from their trials.
+Runs that kept whether each greedy answer holds the key (``found``) add those
+counts, paired the same way.
 ``--against OTHER`` pairs each scheme with the same scheme in another run on
 the same prompts (same seed), e.g. two code paths::
 
@@ -16,13 +18,16 @@ the same prompts (same seed), e.g. two code paths::
 import argparse
 import json
 
-from omlx_cache.eval import paired_outcomes
+from omlx_cache.eval import mcnemar, paired_outcomes
 
 
 def rows(report: dict, against: dict | None = None):
-    """(scheme, context, found, trials, paired outcomes) for each scheme after
-    the first (the reference) and each context of its passkey trials; with
-    ``against``, for each scheme also there, paired with it there."""
+    """(scheme, context, found, trials, paired outcomes, in answer) for each
+    scheme after the first (the reference) and each context of its passkey
+    trials; with ``against``, for each scheme also there, paired with it
+    there. ``in answer`` is the trials whose greedy answer holds the key and
+    their ``mcnemar`` counts, or None for runs stored before the eval kept
+    that."""
     first, *schemes = report["results"]
     if against is not None:
         schemes = report["results"]
@@ -38,7 +43,13 @@ def rows(report: dict, against: dict | None = None):
                 raise SystemExit(f"{result['kv']} at {context}: not the same prompts")
             vs = paired_outcomes(theirs, runs)
             found = sum(t["correct"] for t in runs)
-            yield result["kv"], context, found, len(runs), vs
+            in_answer = None
+            if all("found" in t for t in runs + theirs):
+                in_answer = (
+                    sum(t["found"] for t in runs),
+                    mcnemar(theirs, runs, "found"),
+                )
+            yield result["kv"], context, found, len(runs), vs, in_answer
 
 
 def main():
@@ -57,16 +68,23 @@ def main():
             report = json.load(f)
         vs_what = f", against {args.against}" if against else ""
         print(f"\n{path} (passkey step {report.get('passkey_chunk')}{vs_what})")
-        print("| KV | context | found | lost / gained | p | Δ log-prob (± se) |")
-        print("|---|---|---|---|---|---|")
-        for kv, context, found, trials, vs in rows(report, against):
+        print(
+            "| KV | context | found | lost / gained | p | Δ log-prob (± se) "
+            "| in answer (lost / gained, p) |"
+        )
+        print("|---|---|---|---|---|---|---|")
+        for kv, context, found, trials, vs, in_answer in rows(report, against):
             delta = vs.get("logprob_delta")
             shift = (
                 "" if delta is None else f"{delta:+.3f} ± {vs['logprob_delta_se']:.3f}"
             )
+            answered = ""
+            if in_answer is not None:
+                n, a = in_answer
+                answered = f"{n}/{trials} ({a['lost']} / {a['gained']}, {a['p']:.3f})"
             print(
                 f"| {kv} | {context} | {found}/{trials} | {vs['lost']} / {vs['gained']} "
-                f"| {vs['p']:.3f} | {shift} |"
+                f"| {vs['p']:.3f} | {shift} | {answered} |"
             )
 
 
