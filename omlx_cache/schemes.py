@@ -88,8 +88,9 @@ def register(pattern: str, syntax: str, help: str = ""):
 
 
 # Schemes by a short name (docs/results.md): q4 has the lowest error at 4.6
-# bits on SmolLM2 and Gemma 3; q4-recall (4.57 bits) finds more passkeys;
-# cq4 (4.6 bits) keeps them too, its 5-bit key layers fitted per model
+# bits on SmolLM2 and Gemma 3; q4-recall (4.57 bits) has 4-bit values, as
+# Q4's 3-bit ones lose passkeys; cq4 (4.6 bits) loses the fewest, its 5-bit
+# key layers fitted per model
 PRESETS = {
     "q4": "4,3+rotate+center+qscale+exact8+res72/g64,32"
     "~4+rotate+center+qscale+exact8+k5@4.8",
