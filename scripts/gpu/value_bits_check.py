@@ -40,14 +40,14 @@ PATHS = {
 
 
 class RecordingKVCache(KVCache):
-    """A plain cache that keeps the queries, scale and mask of its last
-    attention call (mlx-lm's attention defers to a cache that has
+    """A plain cache that keeps the queries and scale of its last attention
+    call (mlx-lm's attention defers to a cache that has
     ``scaled_dot_product_attention``)."""
 
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
-        self.queries, self.scale, self.mask = queries, scale, mask
+        self.queries, self.scale = queries, scale
         return mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
