@@ -1318,6 +1318,14 @@ def dequantize(page, codec, dtype) -> mx.array:
     )[0]
 
 
+def dequantize_by_ops(page, codec, dtype) -> mx.array:
+    """What ``dequantize`` computes, by MLX ops on any backend (on CUDA their
+    float32 matmuls round in TF32 unless ``MLX_ENABLE_TF32=0``; the kernel's
+    transform does not)."""
+    decoded = codec.decode(page, mx.float32)
+    return rotate(decoded, codec.rotation, inverse=True).astype(dtype)
+
+
 def _dequantize_pages(pages, codec, length, dtype):
     parts, start = [], 0
     for page in pages:
@@ -1391,7 +1399,8 @@ def prefill_attention(
     (``_fused``); elsewhere (heads of 256, float32 models) the copies are
     float32 and the queries go a block at a time (``_blocked_attention``):
     bfloat16 scores of Gemma's heads of 256 lost passkeys that float32 ones
-    find. ``prefill_in`` sets the dtype instead."""
+    find (their matmuls are TF32 on CUDA unless ``MLX_ENABLE_TF32=0``).
+    ``prefill_in`` sets the dtype instead."""
     D = queries.shape[-1]
     dtype = _prefill_dtype[-1]
     if dtype is None:
@@ -1776,6 +1785,7 @@ __all__ = [
     "attention",
     "decode_attention",
     "dequantize",
+    "dequantize_by_ops",
     "encode",
     "encodes",
     "holds",

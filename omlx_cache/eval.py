@@ -717,10 +717,21 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    device = f"mlx device {mx.default_device()}"
+    if mx.default_device() == mx.gpu:
+        name = mx.device_info().get("device_name", "")
+        device += f" {name}, float32 matmuls in {float32_matmuls()}"
     return (
         f"{platform.system()} {platform.machine()}, {cpu}, "
-        f"{os.cpu_count()} CPUs, mlx device {mx.default_device()}"
+        f"{os.cpu_count()} CPUs, {device}"
     )
+
+
+def float32_matmuls() -> str:
+    """How MLX's GPU backends multiply float32 matrices: in TF32 (inputs
+    rounded to a 10-bit mantissa) unless ``MLX_ENABLE_TF32=0``. On CUDA that
+    moves Gemma's passkey counts by a few keys (docs/quality-levers.md)."""
+    return "float32" if os.environ.get("MLX_ENABLE_TF32") == "0" else "TF32"
 
 
 def source_tree(package) -> str | None:

@@ -598,3 +598,19 @@ def test_passkey_logprob_pairs_two_runs():
             capture_output=True,
             check=True,
         )
+
+
+def test_float32_matmuls_follow_mlx_enable_tf32(monkeypatch):
+    monkeypatch.delenv("MLX_ENABLE_TF32", raising=False)
+    assert kv_eval.float32_matmuls() == "TF32"
+    monkeypatch.setenv("MLX_ENABLE_TF32", "1")
+    assert kv_eval.float32_matmuls() == "TF32"
+    monkeypatch.setenv("MLX_ENABLE_TF32", "0")
+    assert kv_eval.float32_matmuls() == "float32"
+
+
+def test_machine_names_the_device():
+    line = kv_eval.machine()
+    assert f"mlx device {mx.default_device()}" in line
+    # the float32 matmul mode is a GPU backend's
+    assert ("float32 matmuls in" in line) == (mx.default_device() == mx.gpu)

@@ -11,7 +11,12 @@ through fp16 KV once and through each scheme along each code path:
 - ``kernels``: what users run;
 - ``encode-ops``, ``prefill-ops``, ``decode-ops``: the kernels but that part;
 - ``prefill-f32``, ``prefill-f16``: the kernels, prefill attending float32
-  or float16 keys and values (``codebook_kernel.prefill_in``).
+  or float16 keys and values (``codebook_kernel.prefill_in``);
+- ``prefill-ops-local``, ``prefill-ops-global``: the kernels but prefill's in
+  the layers that attend a window, or the whole context;
+- ``prefill-decode-ops``: the kernels, prefill's decoding its keys and values
+  by MLX ops (``Codebook.decode``, rotated back) instead of its dequantize
+  kernel.
 
 Each path is paired with fp16 and with ``ops`` (keys lost / gained, McNemar p,
 the key's mean log-probability difference and its standard error), so a path
@@ -28,6 +33,18 @@ import mlx.core as mx
 
 from omlx_cache import codebook_kernel
 from omlx_cache import eval as kv_eval
+from omlx_cache import schemes as kv_schemes
+
+
+@contextlib.contextmanager
+def decoding_by_ops():
+    kernel = codebook_kernel.dequantize
+    codebook_kernel.dequantize = codebook_kernel.dequantize_by_ops
+    try:
+        yield
+    finally:
+        codebook_kernel.dequantize = kernel
+
 
 PATHS = {
     "ops": lambda: codebook_kernel.disabled(),
@@ -37,13 +54,42 @@ PATHS = {
     "decode-ops": lambda: codebook_kernel.disabled("decode"),
     "prefill-f32": lambda: codebook_kernel.prefill_in(mx.float32),
     "prefill-f16": lambda: codebook_kernel.prefill_in(mx.float16),
+    "prefill-ops-local": contextlib.nullcontext,
+    "prefill-ops-global": contextlib.nullcontext,
+    "prefill-decode-ops": decoding_by_ops,
+}
+# paths that take a kernel off in some layers: (part, the layers' kind)
+LAYER_PATHS = {
+    "prefill-ops-local": ("prefill", "local"),
+    "prefill-ops-global": ("prefill", "global"),
 }
 
 
-def trials(model, prompts, scheme, chunk, progress):
+def without_kernel(attend, part):
+    def attend_without(*args, **kwargs):
+        with codebook_kernel.disabled(part):
+            return attend(*args, **kwargs)
+
+    return attend_without
+
+
+def make_cache(model, scheme, path):
+    """The scheme's caches, a kernel taken off where ``path`` says."""
+    cache = scheme.make_cache(model)
+    if path in LAYER_PATHS:
+        part, kind = LAYER_PATHS[path]
+        for c, window in zip(cache, kv_schemes.layer_windows(model)):
+            if (window is None) == (kind == "global"):
+                c.scaled_dot_product_attention = without_kernel(
+                    c.scaled_dot_product_attention, part
+                )
+    return cache
+
+
+def trials(model, prompts, scheme, chunk, progress, path=None):
     runs = []
     for prompt in prompts:
-        cache = scheme.make_cache(model)
+        cache = make_cache(model, scheme, path)
         runs.append(kv_eval.passkey_trial(model, prompt, cache, chunk))
         progress.step()
     return runs
@@ -94,7 +140,9 @@ def main(argv=None):
         for path in args.paths:
             progress.label = f"{scheme.name} {path}"
             with PATHS[path]():
-                by_path[path] = trials(model, prompts, scheme, args.chunk, progress)
+                by_path[path] = trials(
+                    model, prompts, scheme, args.chunk, progress, path
+                )
         for path, runs in by_path.items():
             results.append(
                 {
