@@ -94,7 +94,8 @@ def test_our_workspace_does_not_grow(run):
     report, _ = run
     small = row(report, 512, "4")["workspace_bytes"]
     large = row(report, 1024, "4")["workspace_bytes"]
-    assert abs(large - small) < 0.25 * MIB
+    # one-sided: with the CPU shared, a shorter run has held 0.26 MiB more
+    assert large - small < 0.25 * MIB
 
 
 def test_upstream_workspace_grows(run):
