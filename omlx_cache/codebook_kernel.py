@@ -1159,6 +1159,8 @@ _disabled = [frozenset()]
 # the dtype prefill attention decodes keys and values into (None: the
 # queries'); see ``prefill_attention``
 _prefill_dtype = [None]
+# whether prefill decodes its pages by MLX ops (``decoding_by_ops``)
+_pages_by_ops = [False]
 
 
 @contextlib.contextmanager
@@ -1174,6 +1176,17 @@ def disabled(*parts):
         yield
     finally:
         _disabled.pop()
+
+
+@contextlib.contextmanager
+def decoding_by_ops():
+    """Within it prefill attention decodes its pages by MLX ops
+    (``dequantize_by_ops``) instead of the dequantize kernel, to compare."""
+    _pages_by_ops.append(True)
+    try:
+        yield
+    finally:
+        _pages_by_ops.pop()
 
 
 @contextlib.contextmanager
@@ -1334,7 +1347,8 @@ def _dequantize_pages(pages, codec, length, dtype):
             break
         if n < page[0].shape[2]:
             page = tuple(x[:, :, :n] for x in page)
-        parts.append(dequantize(page, codec, dtype))
+        decode = dequantize_by_ops if _pages_by_ops[-1] else dequantize
+        parts.append(decode(page, codec, dtype))
         start += n
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
@@ -1784,6 +1798,7 @@ __all__ = [
     "applies",
     "attention",
     "decode_attention",
+    "decoding_by_ops",
     "dequantize",
     "dequantize_by_ops",
     "encode",

@@ -49,6 +49,18 @@ def test_three_bit_layout_is_sign_and_magnitude():
     assert (np.array(unpack(mx.array(words), 3)) == indices).all()
 
 
+def test_prefill_decodes_pages_by_ops_up_to_the_length():
+    codec = Codebook(5)
+    x = mx.random.normal((1, 2, 40, 64), key=mx.random.key(0))
+    pages = [codec.encode(x[:, :, :16]), codec.encode(x[:, :, 16:])]
+    want = rotate(codec.decode(codec.encode(x), mx.float32), "hadamard", True)
+    with codebook_kernel.decoding_by_ops():
+        # pages of 16 and 24 tokens: 14 of the second read
+        out = codebook_kernel._dequantize_pages(pages, codec, 30, mx.float32)
+    assert out.shape == (1, 2, 30, 64)
+    assert mx.allclose(out, want[:, :, :30], atol=1e-5).item()
+
+
 def test_five_bit_layout_splits_off_the_high_bits():
     # the low four bits as 4-bit packing; high bits of elements 0 and 4 at
     # bits 0 and 16 of word 4, of element 9 (word 1, nibble 1) at bit 5

@@ -95,12 +95,8 @@ def main():
         shapes = [p[0].shape[2] for p in pages]
         got = by_kernel(pages, codec, length, dtype)
         mx.eval(got)
-        kernel = codebook_kernel.dequantize
-        codebook_kernel.dequantize = codebook_kernel.dequantize_by_ops
-        try:
+        with codebook_kernel.decoding_by_ops():
             want = by_kernel(pages, codec, length, dtype)
-        finally:
-            codebook_kernel.dequantize = kernel
         mx.eval(want)
         a, b = (np.array(x.astype(mx.float32)) for x in (got, want))
         diff = np.abs(a - b).max(axis=-1)  # per vector

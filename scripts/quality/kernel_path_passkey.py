@@ -15,8 +15,7 @@ through fp16 KV once and through each scheme along each code path:
 - ``prefill-ops-local``, ``prefill-ops-global``: the kernels but prefill's in
   the layers that attend a window, or the whole context;
 - ``prefill-decode-ops``: the kernels, prefill's decoding its keys and values
-  by MLX ops (``Codebook.decode``, rotated back) instead of its dequantize
-  kernel.
+  by MLX ops instead of its dequantize kernel (``codebook_kernel.decoding_by_ops``).
 
 Each path is paired with fp16 and with ``ops`` (keys lost / gained, McNemar p,
 the key's mean log-probability difference and its standard error), so a path
@@ -35,17 +34,6 @@ from omlx_cache import codebook_kernel
 from omlx_cache import eval as kv_eval
 from omlx_cache import schemes as kv_schemes
 
-
-@contextlib.contextmanager
-def decoding_by_ops():
-    kernel = codebook_kernel.dequantize
-    codebook_kernel.dequantize = codebook_kernel.dequantize_by_ops
-    try:
-        yield
-    finally:
-        codebook_kernel.dequantize = kernel
-
-
 PATHS = {
     "ops": lambda: codebook_kernel.disabled(),
     "kernels": contextlib.nullcontext,
@@ -56,7 +44,7 @@ PATHS = {
     "prefill-f16": lambda: codebook_kernel.prefill_in(mx.float16),
     "prefill-ops-local": contextlib.nullcontext,
     "prefill-ops-global": contextlib.nullcontext,
-    "prefill-decode-ops": decoding_by_ops,
+    "prefill-decode-ops": codebook_kernel.decoding_by_ops,
 }
 # paths that take a kernel off in some layers: (part, the layers' kind)
 LAYER_PATHS = {
