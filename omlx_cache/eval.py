@@ -719,7 +719,10 @@ def machine() -> str:
         pass
     device = f"mlx device {mx.default_device()}"
     if mx.default_device() == mx.gpu:
-        name = mx.device_info().get("device_name", "")
+        try:
+            name = mx.device_info().get("device_name", "")
+        except (AttributeError, RuntimeError):  # an MLX without it
+            name = ""
         device += f" {name}, float32 matmuls in {float32_matmuls()}"
     return (
         f"{platform.system()} {platform.machine()}, {cpu}, "
