@@ -322,6 +322,9 @@ class PasskeyPrompt:
     key: str
     # where the needle is: 0 before all the filler, 1 after it
     depth: float
+    # the positions in ``answer`` of the tokens that hold the key's digits
+    # (Gemma's answer starts with a bare space, which holds none)
+    digits: tuple[int, ...] = ()
 
 
 def passkey_depths(n: int) -> list[float]:
@@ -343,10 +346,7 @@ def passkey_prompt(
     (the answer included) with the needle after ``depth`` of them, and the
     question; BOS first when given."""
     question = encode(tokenizer, PASSKEY_QUESTION)
-    answer = encode(tokenizer, f"{PASSKEY_QUESTION} {key}")
-    if answer[: len(question)] != question:
-        raise ValueError("The tokenizer joins the passkey to the question.")
-    answer = answer[len(question) :]
+    answer = answer_tokens(tokenizer, key)
     intro = ([] if bos is None else [bos]) + encode(tokenizer, PASSKEY_INTRO)
     filler = encode(tokenizer, PASSKEY_FILLER)
     needle = encode(tokenizer, PASSKEY_NEEDLE.format(key=key))
@@ -356,7 +356,33 @@ def passkey_prompt(
         raise ValueError(f"A passkey prompt needs more than {fixed} tokens.")
     before = round(depth * lines)
     tokens = intro + filler * before + needle + filler * (lines - before) + question
-    return PasskeyPrompt(tokens, answer, key, depth)
+    return PasskeyPrompt(tokens, answer, key, depth, digit_positions(tokenizer, answer))
+
+
+def answer_tokens(tokenizer, key: str) -> list[int]:
+    """The key's tokens as they follow the question."""
+    question = encode(tokenizer, PASSKEY_QUESTION)
+    answer = encode(tokenizer, f"{PASSKEY_QUESTION} {key}")
+    if answer[: len(question)] != question:
+        raise ValueError("The tokenizer joins the passkey to the question.")
+    return answer[len(question) :]
+
+
+def digit_positions(tokenizer, tokens: list[int]) -> tuple[int, ...]:
+    """The positions of the tokens that decode to text with a digit."""
+    return tuple(
+        i
+        for i, t in enumerate(tokens)
+        if any(c.isdigit() for c in tokenizer.decode([t]))
+    )
+
+
+def digits_retrieved(tokenizer, trial: dict) -> bool:
+    """A stored trial's ``digits`` (``passkey_trial``), from its predicted
+    tokens: for runs stored before trials kept it."""
+    answer = answer_tokens(tokenizer, trial["key"])
+    predicted = trial["predicted"]
+    return all(predicted[i] == answer[i] for i in digit_positions(tokenizer, answer))
 
 
 def passkey_prompts(
@@ -413,6 +439,8 @@ def passkey_trial(model, prompt: PasskeyPrompt, cache: list, chunk: int) -> dict
         "key": prompt.key,
         "tokens": len(prompt.tokens) + len(prompt.answer),
         "correct": predicted == prompt.answer,
+        # the key itself, whatever the tokens around it (retrieval, not phrasing)
+        "digits": all(predicted[i] == prompt.answer[i] for i in prompt.digits),
         "predicted": predicted,
         "answer_logprob": logprob,
     }
@@ -454,9 +482,10 @@ def evaluate_passkey(
     ``contexts`` tokens: ``correct`` counts the trials that predict every
     token of the key (``passkey_trial``), ``found`` those whose greedy answer
     holds the key (a trial that is not correct decodes its ``answer`` again,
-    from a fresh cache). The schemes after the first (the reference) also
-    get ``"vs_reference"`` (``paired_outcomes``) and ``"found_vs_reference"``
-    (``mcnemar`` of ``found``)."""
+    from a fresh cache), ``digits`` those that predict the tokens holding the
+    key's digits. The schemes after the first (the reference) also get
+    ``"vs_reference"`` (``paired_outcomes``), ``"found_vs_reference"`` and
+    ``"digits_vs_reference"`` (``mcnemar``)."""
     results = [{} for _ in schemes]
     for context in contexts:
         for prompt in passkey_prompts(tokenizer, context, depths, keys, seed, bos):
@@ -485,11 +514,13 @@ def evaluate_passkey(
             by_context["trials"] = len(by_context["runs"])
             by_context["correct"] = sum(t["correct"] for t in by_context["runs"])
             by_context["found"] = sum(t["found"] for t in by_context["runs"])
+            by_context["digits"] = sum(t["digits"] for t in by_context["runs"])
             if result is not results[0]:
                 reference = results[0][context]["runs"]
                 runs = by_context["runs"]
                 by_context["vs_reference"] = paired_outcomes(reference, runs)
                 by_context["found_vs_reference"] = mcnemar(reference, runs, "found")
+                by_context["digits_vs_reference"] = mcnemar(reference, runs, "digits")
     return results
 
 
@@ -678,6 +709,10 @@ def format_passkey(r: dict) -> str:
         if "found" in x:
             part += f", in answer {x['found']}/{x['trials']}"
         if vs := x.get("found_vs_reference"):
+            part += f" (-{vs['lost']} +{vs['gained']})"
+        if "digits" in x:
+            part += f", digits {x['digits']}/{x['trials']}"
+        if vs := x.get("digits_vs_reference"):
             part += f" (-{vs['lost']} +{vs['gained']})"
         parts.append(part)
     return ", ".join(parts)

@@ -310,6 +310,30 @@ def test_passkey_keys_pair_with_the_reference(tmp_path, model):
             assert t["correct"] or isinstance(t["answer"], str)
             assert t["found"] == (t["correct"] or t["key"] in t["answer"])
     assert set(results[1]["300"]["found_vs_reference"]) == {"lost", "gained", "p"}
+    assert set(results[1]["300"]["digits_vs_reference"]) == {"lost", "gained", "p"}
+    for result in results:
+        runs = result["300"]["runs"]
+        assert result["300"]["digits"] == sum(t["digits"] for t in runs)
+        for t in runs:
+            # every token right means the digits are; a stored trial scores the same
+            assert t["digits"] or not t["correct"]
+            assert t["digits"] == kv_eval.digits_retrieved(tokenizer, t)
+
+
+def test_digit_positions_hold_the_key(tmp_path, model):
+    from mlx_lm import load
+
+    write_model_dir(tmp_path / "tiny", model)
+    _, tokenizer = load(str(tmp_path / "tiny"))
+    for key in ("80365", "10000", "99999"):
+        answer = kv_eval.answer_tokens(tokenizer, key)
+        positions = kv_eval.digit_positions(tokenizer, answer)
+        digits = [tokenizer.decode([answer[i]]) for i in positions]
+        assert "".join(c for text in digits for c in text if c.isdigit()) == key
+        others = [
+            tokenizer.decode([t]) for i, t in enumerate(answer) if i not in positions
+        ]
+        assert not any(c.isdigit() for text in others for c in text)
 
 
 @pytest.mark.parametrize("name", ["fp16", "codebook-4+center+exact4"])
@@ -396,6 +420,10 @@ def test_paired_outcomes():
     assert kv_eval.format_passkey(r) == "8192: 6/8 (-1 +1)"
     r["passkey"]["8192"].update(found=7, found_vs_reference=same)
     assert kv_eval.format_passkey(r) == "8192: 6/8 (-1 +1), in answer 7/8 (-0 +0)"
+    r["passkey"]["8192"].update(digits=8, digits_vs_reference=same)
+    assert kv_eval.format_passkey(r).endswith(
+        "in answer 7/8 (-0 +0), digits 8/8 (-0 +0)"
+    )
 
     def scored(logprobs):
         return [{"correct": True, "answer_logprob": x} for x in logprobs]

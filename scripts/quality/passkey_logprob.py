@@ -7,7 +7,10 @@ the file's first scheme (McNemar p), and the mean paired difference of the key's
 log-probability with its standard error (``eval.paired_outcomes``). Runs stored
 before the eval added that difference get it here from their trials.
 Runs that kept whether each greedy answer holds the key (``found``) add those
-counts, paired the same way.
+counts, paired the same way, and so do trials that predict the key's digit
+tokens (``digits``: retrieval, whatever the tokens around the key); for runs
+stored before trials kept that, ``--model DIR`` scores it with the model's
+tokenizer from the predicted tokens.
 ``--against OTHER`` pairs each scheme with the same scheme in another run on
 the same prompts (same seed), e.g. two code paths::
 
@@ -17,17 +20,33 @@ the same prompts (same seed), e.g. two code paths::
 
 import argparse
 import json
+from pathlib import Path
 
-from omlx_cache.eval import mcnemar, paired_outcomes
+from omlx_cache.eval import digits_retrieved, mcnemar, paired_outcomes
+
+
+def counted(runs, theirs, outcome):
+    """(count, ``mcnemar`` against ``theirs``) of ``outcome``, or None where a
+    trial lacks it."""
+    if not all(outcome in t for t in runs + theirs):
+        return None
+    return sum(t[outcome] for t in runs), mcnemar(theirs, runs, outcome)
+
+
+def score_digits(report: dict, tokenizer):
+    for result in report["results"]:
+        for trials in result.get("passkey", {}).values():
+            for t in trials["runs"]:
+                t.setdefault("digits", digits_retrieved(tokenizer, t))
 
 
 def rows(report: dict, against: dict | None = None):
-    """(scheme, context, found, trials, paired outcomes, in answer) for each
-    scheme after the first (the reference) and each context of its passkey
-    trials; with ``against``, for each scheme also there, paired with it
-    there. ``in answer`` is the trials whose greedy answer holds the key and
-    their ``mcnemar`` counts, or None for runs stored before the eval kept
-    that."""
+    """(scheme, context, found, trials, paired outcomes, in answer, digits) for
+    each scheme after the first (the reference) and each context of its
+    passkey trials; with ``against``, for each scheme also there, paired with
+    it there. ``in answer`` and ``digits`` are the trials whose greedy answer
+    holds the key, or that predict its digit tokens, with their ``mcnemar``
+    counts, or None for runs stored before the eval kept them."""
     first, *schemes = report["results"]
     if against is not None:
         schemes = report["results"]
@@ -43,13 +62,9 @@ def rows(report: dict, against: dict | None = None):
                 raise SystemExit(f"{result['kv']} at {context}: not the same prompts")
             vs = paired_outcomes(theirs, runs)
             found = sum(t["correct"] for t in runs)
-            in_answer = None
-            if all("found" in t for t in runs + theirs):
-                in_answer = (
-                    sum(t["found"] for t in runs),
-                    mcnemar(theirs, runs, "found"),
-                )
-            yield result["kv"], context, found, len(runs), vs, in_answer
+            in_answer = counted(runs, theirs, "found")
+            digits = counted(runs, theirs, "digits")
+            yield result["kv"], context, found, len(runs), vs, in_answer, digits
 
 
 def main():
@@ -58,33 +73,47 @@ def main():
     parser.add_argument(
         "--against", metavar="FILE", help="pair each scheme with its run in FILE"
     )
+    parser.add_argument(
+        "--model", metavar="DIR", help="score digits with this model's tokenizer"
+    )
     args = parser.parse_args()
-    against = None
-    if args.against:
-        with open(args.against) as f:
-            against = json.load(f)
+    tokenizer = None
+    if args.model:
+        from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+        tokenizer = load_tokenizer(Path(args.model))
+    reports = {}
+    for path in [args.against, *args.files]:
+        if path:
+            with open(path) as f:
+                reports[path] = json.load(f)
+            if tokenizer is not None:
+                score_digits(reports[path], tokenizer)
+    against = reports.get(args.against)
     for path in args.files:
-        with open(path) as f:
-            report = json.load(f)
+        report = reports[path]
         vs_what = f", against {args.against}" if against else ""
         print(f"\n{path} (passkey step {report.get('passkey_chunk')}{vs_what})")
         print(
             "| KV | context | found | lost / gained | p | Δ log-prob (± se) "
-            "| in answer (lost / gained, p) |"
+            "| in answer (lost / gained, p) | digits (lost / gained, p) |"
         )
-        print("|---|---|---|---|---|---|---|")
-        for kv, context, found, trials, vs, in_answer in rows(report, against):
+        print("|---|---|---|---|---|---|---|---|")
+        for kv, context, found, trials, vs, *counts in rows(report, against):
             delta = vs.get("logprob_delta")
             shift = (
                 "" if delta is None else f"{delta:+.3f} ± {vs['logprob_delta_se']:.3f}"
             )
-            answered = ""
-            if in_answer is not None:
-                n, a = in_answer
-                answered = f"{n}/{trials} ({a['lost']} / {a['gained']}, {a['p']:.3f})"
+            cells = []
+            for count in counts:
+                cell = ""
+                if count is not None:
+                    n, a = count
+                    cell = f"{n}/{trials} ({a['lost']} / {a['gained']}, {a['p']:.3f})"
+                cells.append(cell)
             print(
                 f"| {kv} | {context} | {found}/{trials} | {vs['lost']} / {vs['gained']} "
-                f"| {vs['p']:.3f} | {shift} | {answered} |"
+                f"| {vs['p']:.3f} | {shift} | {' | '.join(cells)} |"
             )
 
 
