@@ -18,8 +18,9 @@ through fp16 KV once and through each scheme along each code path:
   by MLX ops instead of its dequantize kernel (``codebook_kernel.decoding_by_ops``).
 
 Each path is paired with fp16 and with ``ops`` (keys lost / gained, McNemar p,
-the key's mean log-probability difference and its standard error), so a path
-that costs retrieval shows as a negative difference against ``ops``.
+the key's mean log-probability difference and its standard error; the trials
+that predict the key's digits, ``eval.passkey_trial``), so a path that costs
+retrieval shows as a negative difference against ``ops``.
 """
 
 import argparse
@@ -86,6 +87,8 @@ def trials(model, prompts, scheme, chunk, progress, path=None):
 def summary(runs, against) -> dict:
     vs = kv_eval.paired_outcomes(against, runs)
     vs["found"] = sum(t["correct"] for t in runs)
+    vs["digits"] = sum(t["digits"] for t in runs)
+    vs["digits_vs"] = kv_eval.mcnemar(against, runs, "digits")
     return vs
 
 
@@ -145,16 +148,19 @@ def main(argv=None):
 
     print(f"{reference.name}: {sum(t['correct'] for t in fp16)}/{len(fp16)} found")
     print(
-        "| KV | path | found | vs fp16: lost / gained, Δ log-prob | vs ops: Δ log-prob |"
+        "| KV | path | found | vs fp16: lost / gained, Δ log-prob | vs ops: Δ log-prob "
+        "| digits, vs fp16 |"
     )
-    print("|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for r in results:
         f, o = r["vs_fp16"], r["vs_ops"]
+        d = f["digits_vs"]
         print(
             f"| {r['kv']} | {r['path']} | {f['found']}/{len(r['runs'])} "
             f"| {f['lost']} / {f['gained']}, {f['logprob_delta']:+.3f} "
             f"± {f['logprob_delta_se']:.3f} "
-            f"| {o['logprob_delta']:+.3f} ± {o['logprob_delta_se']:.3f} |"
+            f"| {o['logprob_delta']:+.3f} ± {o['logprob_delta_se']:.3f} "
+            f"| {f['digits']}/{len(r['runs'])}, {d['lost']} / {d['gained']} |"
         )
     if args.out:
         report = {
