@@ -1340,6 +1340,7 @@ def dequantize_by_ops(page, codec, dtype) -> mx.array:
 
 
 def _dequantize_pages(pages, codec, length, dtype):
+    decode = dequantize_by_ops if _pages_by_ops[-1] else dequantize
     parts, start = [], 0
     for page in pages:
         n = min(page[0].shape[2], length - start)
@@ -1347,7 +1348,6 @@ def _dequantize_pages(pages, codec, length, dtype):
             break
         if n < page[0].shape[2]:
             page = tuple(x[:, :, :n] for x in page)
-        decode = dequantize_by_ops if _pages_by_ops[-1] else dequantize
         parts.append(decode(page, codec, dtype))
         start += n
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)

@@ -377,12 +377,18 @@ def digit_positions(tokenizer, tokens: list[int]) -> tuple[int, ...]:
     )
 
 
+def predicts_digits(predicted: list[int], answer: list[int], digits) -> bool:
+    """Whether ``predicted`` has ``answer``'s tokens at the ``digits``
+    positions: the key itself, whatever the tokens around it."""
+    return all(predicted[i] == answer[i] for i in digits)
+
+
 def digits_retrieved(tokenizer, trial: dict) -> bool:
     """A stored trial's ``digits`` (``passkey_trial``), from its predicted
     tokens: for runs stored before trials kept it."""
     answer = answer_tokens(tokenizer, trial["key"])
-    predicted = trial["predicted"]
-    return all(predicted[i] == answer[i] for i in digit_positions(tokenizer, answer))
+    positions = digit_positions(tokenizer, answer)
+    return predicts_digits(trial["predicted"], answer, positions)
 
 
 def passkey_prompts(
@@ -439,8 +445,7 @@ def passkey_trial(model, prompt: PasskeyPrompt, cache: list, chunk: int) -> dict
         "key": prompt.key,
         "tokens": len(prompt.tokens) + len(prompt.answer),
         "correct": predicted == prompt.answer,
-        # the key itself, whatever the tokens around it (retrieval, not phrasing)
-        "digits": all(predicted[i] == prompt.answer[i] for i in prompt.digits),
+        "digits": predicts_digits(predicted, prompt.answer, prompt.digits),
         "predicted": predicted,
         "answer_logprob": logprob,
     }

@@ -12,7 +12,9 @@ the last ``--queries`` queries, along each path (``ops``: MLX ops; ``kernels``:
 the CUDA kernels, where they apply). The error is against float64 attention
 over the unquantized keys and values (numpy). More value bits should give less
 error along every path; on Gemma's 8K passkeys 5-bit values lost more keys
-through the kernels than 4-bit ones (docs/quality-levers.md, session 22).
+through the kernels than 4-bit ones (session 22). On CUDA both paths gave the
+same error; the keys moved with TF32 rounding (docs/quality-levers.md,
+session 23).
 """
 
 import argparse
