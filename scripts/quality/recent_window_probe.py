@@ -9,10 +9,12 @@ On Gemma a passkey answer that misses mostly misses at its first token: a bare
 space before the digits turns into " the" (docs/quality-levers.md, session
 23). Each prompt of ``omlx_cache.eval``'s passkey test is prefilled once with
 the model's own caches (the reference) and once per ``--probe R:K:V[:E]``: a
-codebook cache of K-bit keys and V-bit values (centered keys, key weights,
+codebook cache of K-bit keys and V-bit values (16: unquantized) (centered keys, key weights,
 the first E tokens kept, 8 by default: cq4's settings) in every layer, with
 the last R tokens attended as they came, the rest as the cache decodes them.
-A probe, not a cache to use: it keeps a float copy of every token. Per probe
+A ``d`` after the probe (``0:5:4d``) takes half the expected variance of
+each decoded key's score error off its score (``score_bias``). A probe, not a
+cache to use: it keeps a float copy of every token. Per probe
 it reports how often the answer's first token stops (lost) or starts
 (gained) being the greedy one against the reference, and the change of its
 log-probability (mean, standard error, spread). ``--kv NAME`` adds a
@@ -25,6 +27,7 @@ import time
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from omlx_cache import eval as kv_eval
@@ -37,10 +40,11 @@ class RecentExact(KVCache):
     tokens as ``codebook``, a codebook cache fed the same tokens, decodes
     them."""
 
-    def __init__(self, codebook: CodebookKVCache, recent: int):
+    def __init__(self, codebook: CodebookKVCache, recent: int, debias=False):
         super().__init__()
         self.codebook = codebook
         self.recent = recent
+        self.debias = debias
 
     def update_and_fetch(self, keys, values):
         self.codebook.update_and_fetch(keys, values)
@@ -53,17 +57,45 @@ class RecentExact(KVCache):
         self.codebook._flush_first_write(queries)
         decoded_keys, decoded_values = self.codebook.dequantize(queries.dtype)
         cut = max(self.offset - self.recent, 0)
+        exact_keys = keys
         keys = mx.concatenate([decoded_keys[:, :, :cut], keys[:, :, cut:]], axis=2)
         values = mx.concatenate(
             [decoded_values[:, :, :cut], values[:, :, cut:]], axis=2
         )
+        if self.debias:
+            mask = score_bias(queries, exact_keys, decoded_keys, cut, scale, mask)
         return mx.fast.scaled_dot_product_attention(
             queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
 
 
+def score_bias(queries, keys, decoded_keys, cut, scale, mask):
+    """``mask`` as an additive one that also takes half the expected
+    variance of each decoded key's score error off its score: a noisy score
+    ``s + n`` weighs ``exp(s)`` times ``exp(var(n) / 2)`` on average, so
+    quantized keys would gain weight over exact ones (the kept first tokens,
+    the recent window). The variance is that of ``q . e`` for the key's own
+    error ``e`` in a random direction: ``|q|^2 |e|^2 / D``."""
+    L, S, D = queries.shape[2], keys.shape[2], keys.shape[-1]
+    error = (decoded_keys[:, :, :cut] - keys[:, :, :cut]).astype(mx.float32)
+    error = mx.pad((error * error).sum(axis=-1) / D, [(0, 0), (0, 0), (0, S - cut)])
+    error = mx.repeat(error, queries.shape[1] // keys.shape[1], axis=1)
+    q2 = (queries.astype(mx.float32) ** 2).sum(axis=-1)
+    bias = -0.5 * scale**2 * q2[..., :, None] * error[..., None, :]
+    if isinstance(mask, str):
+        mask = create_causal_mask(L, S - L)
+    if mask is not None:
+        bias = (
+            mx.where(mask, bias, -float("inf"))
+            if mask.dtype == mx.bool_
+            else bias + mask
+        )
+    return bias.astype(queries.dtype)
+
+
 def parse_probe(spec: str) -> dict:
-    parts = [int(x) for x in spec.split(":")]
+    debias = spec.endswith("d")
+    parts = [int(x) for x in spec.removesuffix("d").split(":")]
     if len(parts) not in (3, 4):
         raise SystemExit(f"--probe takes R:K:V or R:K:V:E, got {spec!r}.")
     recent, key_bits, value_bits = parts[:3]
@@ -73,7 +105,13 @@ def parse_probe(spec: str) -> dict:
         "key_bits": key_bits,
         "value_bits": value_bits,
         "keep_exact": parts[3] if len(parts) == 4 else 8,
+        "debias": debias,
     }
+
+
+def codec_of(bits: int):
+    """Codebook bits, 16 for unquantized."""
+    return "plain" if bits == 16 else bits
 
 
 def probe_caches(model, probe: dict) -> list:
@@ -82,13 +120,14 @@ def probe_caches(model, probe: dict) -> list:
     return [
         RecentExact(
             CodebookKVCache(
-                probe["key_bits"],
-                probe["value_bits"],
+                codec_of(probe["key_bits"]),
+                codec_of(probe["value_bits"]),
                 center="k",
                 keep_exact=probe["keep_exact"],
                 key_scale="qk",
             ),
             probe["recent"],
+            probe["debias"],
         )
         for _ in model.layers
     ]
