@@ -350,12 +350,19 @@ class Codebook:
     ``norm_bits`` is how that scalar is stored: 16 (float16) or 8 (uint8,
     log2 of it in steps of ``NORM8_STEP`` octaves: ``encode_norm``), which
     saves 0.125 bits per element at head dim 64.
+
+    ``debias`` (keys): attention takes half the expected variance of each
+    decoded key's score error off its score. A score with independent error
+    of variance v weighs exp(v / 2) times its own on average, so keys with
+    larger norms (larger errors) would gain weight over the others, and
+    every quantized key over the kept, unquantized ones (``error_variance``).
     """
 
     bits: int = 3
     rotation: str = "hadamard"
     norm: str = "dot"
     norm_bits: int = NORM_BITS
+    debias: bool = False
     parts = 2  # arrays per page: packed indices, norms
 
     def __post_init__(self):
@@ -372,7 +379,30 @@ class Codebook:
     @property
     def spec(self) -> str:
         spec = f"codebook-{self.bits}-{self.rotation}-{self.norm}"
-        return spec if self.norm_bits == NORM_BITS else f"{spec}-n{self.norm_bits}"
+        if self.norm_bits != NORM_BITS:
+            spec += f"-n{self.norm_bits}"
+        return f"{spec}-debias" if self.debias else spec
+
+    @property
+    def relative_error(self) -> float:
+        """The expected squared error of a decoded vector over its stored
+        norm squared: a coordinate's quantization keeps ``1 - mse`` of its
+        energy (Lloyd-Max levels are their cells' means), so the decoded
+        unit vector ``c`` has ``|c|^2 ~ <u, c> ~ 1 - mse``. ``"dot"``'s
+        error is orthogonal to the input: ``|c|^2 - <u, c>^2``; ``"length"``
+        rescales ``c`` to the input's length, about the same; ``"plain"``
+        keeps the codebook's ``mse``."""
+        mse = lloyd_max(self.bits)[1]
+        return mse if self.norm == "plain" else mse * (1 - mse)
+
+    def error_variance(self, norms: mx.array, dim: int) -> mx.array:
+        """The expected float32 squared error per coordinate of the vectors
+        whose stored ``norms`` these are (the error spreads evenly over the
+        rotated coordinates)."""
+        if norms.dtype == mx.uint8:
+            norms = decode_norm(norms)
+        norms = norms.astype(mx.float32)
+        return norms * norms * (self.relative_error / dim)
 
     def bits_per_element(self, dim: int) -> float:
         return self.bits + self.norm_bits / dim
@@ -511,10 +541,10 @@ def codec(spec) -> Codebook | Affine | Plain:
         return Codebook(spec)
     if spec == "plain":
         return Plain()
-    match = re.fullmatch(r"codebook-(\d+)-([a-z]+)-([a-z]+)(-n(\d+))?", spec)
+    match = re.fullmatch(r"codebook-(\d+)-([a-z]+)-([a-z]+)(-n(\d+))?(-debias)?", spec)
     if match:
         norm_bits = int(match[5] or NORM_BITS)
-        return Codebook(int(match[1]), match[2], match[3], norm_bits)
+        return Codebook(int(match[1]), match[2], match[3], norm_bits, bool(match[6]))
     match = re.fullmatch(r"affine-(\d+)-(\d+)-(\w+)", spec)
     if match:
         return Affine(int(match[1]), int(match[2]), match[3])
@@ -559,6 +589,11 @@ def codebook_scaled_dot_product_attention(
     queries = rotate(queries, key_codec.rotation)
     queries = _fold_queries(queries * scale, n_kv_heads)
     rows = queries.shape[2]
+    # half a score's expected error variance is |q|^2 / 2 times the key's
+    # expected squared error per coordinate (``Codebook.debias``)
+    half_energy = None
+    if getattr(key_codec, "debias", False):
+        half_energy = 0.5 * mx.square(queries.astype(mx.float32)).sum(-1, True)
     # the output and, in its last column, the softmax's running sum: one
     # chain of results, so a tile's probabilities can go before the next
     # tile's scores exist (as in mlx-lm's quantized attention)
@@ -609,6 +644,10 @@ def codebook_scaled_dot_product_attention(
         for start, new, stop in _quantized_sdpa_tiles(size, size, keys_per_tile):
             keys = key_codec.decode([x[:, :, start:stop] for x in k_page], dtype)
             scores = (queries @ keys.swapaxes(-1, -2)).astype(mx.float32)
+            if half_energy is not None:
+                norms = k_page[1][:, :, start:stop]
+                variance = key_codec.error_variance(norms, keys.shape[-1])
+                scores = scores - half_energy * variance.swapaxes(-1, -2)
             tile_mask = _quantized_sdpa_tile_mask(
                 mask,
                 page_start + start,

@@ -1241,6 +1241,7 @@ def holds(keys, values, key_codec, value_codec) -> bool:
         and values.shape[-1] == D
         and _rotates(key_codec) is not None
         and _rotates(value_codec) is not None
+        and not key_codec.debias
         and _on_cuda("decode")
     )
 
@@ -1263,6 +1264,9 @@ def applies(
     if not _on_cuda("decode" if queries.shape[2] == 1 else "prefill"):
         return False
     if _rotates(key_codec) is None or _rotates(value_codec) is None:
+        return False
+    if key_codec.debias:
+        # the kernels have no score correction (``Codebook.debias``) yet
         return False
     B, n_q_heads, L, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[1]

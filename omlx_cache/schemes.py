@@ -442,6 +442,7 @@ CODEBOOK_SCHEME = (
     + r"(\+exact(?P<exact>\d+))?"
     + FITTED_LAYERS_SUFFIX
     + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*|global))?"
+    + r"(?P<debias>\+debias)?"
 )
 
 
@@ -470,7 +471,7 @@ def scheme_codecs(
     CODEBOOK_SCHEME,
     syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
     "[+center|+center-kv] [+qscale|+qscale-q] [+exactN] [+kB@L.L|+kvB@L.L|+kB@fitX] "
-    "[+vB@L.L|+vB@global]",
+    "[+vB@L.L|+vB@global] [+debias]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
     "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
     "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
@@ -483,7 +484,8 @@ def scheme_codecs(
     "keys and values; +v4@: values, after +k; +k5@fit4.6: in the layers that fit 4.6 bits per "
     "element, ranked per model on text it samples itself, once, kept in ~/.cache/omlx-cache; "
     "+v5@global: the values of the layers that attend the whole context in a model with "
-    "sliding-window layers); "
+    "sliding-window layers); +debias takes half the expected variance of each "
+    "decoded key's score error off its score (MLX ops; the CUDA kernels decline it); "
     "sliding-window layers drop the pages their window no longer sees "
     "(WindowedCodebookKVCache)",
 )
@@ -506,10 +508,12 @@ def codebook(
     layers=None,
     value_layer_bits=None,
     value_layers=None,
+    debias=None,
 ):
     keys, values = scheme_codecs(
         key_bits, value_bits, affine, rotation, norm, norm_bits
     )
+    keys = debiased(keys) if debias else keys
     center = center_option(center, center_values)
     keep_exact = int(exact or 0)
     high_layers, high, fit = (), (keys, values), None
@@ -519,7 +523,10 @@ def codebook(
         high_layers = parse_layers(layers)
     if layers is not None:
         more = scheme_codecs(layer_bits, None, "", rotation, norm, norm_bits)[0]
-        high = (more, more if layer_part == "kv" else values)
+        high = (
+            debiased(more) if debias else more,
+            more if layer_part == "kv" else values,
+        )
     value_high_layers, value_high = (), values
     if value_layers is not None:
         if value_layers != "global":
@@ -564,6 +571,11 @@ def codebook(
     )
 
 
+def debiased(codec):
+    """``codec`` with ``debias`` where it is a codebook (keys)."""
+    return replace(codec, debias=True) if isinstance(codec, Codebook) else codec
+
+
 def global_layers(model: nn.Module) -> tuple[int, ...]:
     """The layers that attend the whole context in a model with sliding-window
     layers (Gemma 3's every sixth); none in a model without them."""
@@ -573,15 +585,23 @@ def global_layers(model: nn.Module) -> tuple[int, ...]:
     return tuple(i for i, b in enumerate(bounded) if not b)
 
 
-def fitting(name, key_bits, bits, part, budget):
-    """``model -> layers`` for a codebook scheme name with ``+kB@fitX``
-    (``layers.fitted_layers``): the layers are ranked by the name without it,
-    keys alone (values unquantized, no ``+vB@``) for ``+k``."""
-    base = re.sub(rf"\+{part}{bits}@fit[\d.]+", "", name)
+def fit_names(name, key_bits, bits, part) -> tuple[str, str]:
+    """The scheme a ``+kB@fitX`` name's layers are ranked for, and the one
+    that measures them (``fitting``)."""
+    # ranked without the score correction: a scheme and its +debias pick alike
+    base = re.sub(rf"\+{part}{bits}@fit[\d.]+|\+debias$", "", name)
     measure = base
     if part == "k":
         measure = re.sub(r"^codebook-\d+(k-a?\d+v)?", f"codebook-{key_bits}k-16v", base)
         measure = re.sub(r"\+v\d+@[\w.]+", "", measure)
+    return base, measure
+
+
+def fitting(name, key_bits, bits, part, budget):
+    """``model -> layers`` for a codebook scheme name with ``+kB@fitX``
+    (``layers.fitted_layers``): the layers are ranked by the name without it,
+    keys alone (values unquantized, no ``+vB@``) for ``+k``."""
+    base, measure = fit_names(name, key_bits, bits, part)
 
     def fit(model):
         from .layers import fitted_layers  # layers imports this module
