@@ -12,7 +12,13 @@ from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 from tiny_llama import make_model
 
 from omlx_cache import schemes
-from omlx_cache.codebook import Codebook, CodebookKVCache, codec, rotate
+from omlx_cache.codebook import (
+    BatchCodebookKVCache,
+    Codebook,
+    CodebookKVCache,
+    codec,
+    rotate,
+)
 
 PAGE = 64
 
@@ -122,6 +128,29 @@ def test_the_setting_travels(tmp_path):
     save_prompt_cache(path, [cache])
     (loaded,) = load_prompt_cache(path)
     assert loaded.key_codec == Codebook(4, debias=True)
+
+
+def test_a_batch_attends_as_its_caches_alone():
+    mx.random.seed(4)
+    caches = []
+    for n in (5, 37, 70):
+        caches.append(CodebookKVCache(Codebook(3, debias=True), 4, page_size=PAGE))
+        fill(caches[-1], 2, n, n, 64)
+    batch = CodebookKVCache.merge(caches)
+    assert isinstance(batch, BatchCodebookKVCache)
+    assert batch.key_codec.debias
+    step = mx.random.normal((2, 3, 2, 1, 64))
+    queries = mx.random.normal((3, 6, 1, 64)) * 3
+    keys, values = batch.update_and_fetch(step[0], step[1])
+    out = scaled_dot_product_attention(
+        queries, keys, values, cache=batch, scale=0.125, mask=batch.make_mask(1)
+    )
+    for i, cache in enumerate(caches):
+        k, v = cache.update_and_fetch(step[0, i : i + 1], step[1, i : i + 1])
+        single = scaled_dot_product_attention(
+            queries[i : i + 1], k, v, cache=cache, scale=0.125, mask=None
+        )
+        assert relative_error(out[i : i + 1], single) < 1e-4
 
 
 def test_a_fitted_scheme_picks_the_layers_of_its_plain_twin():
