@@ -1,24 +1,26 @@
-"""Probe: does a full-precision recent window keep a codebook cache's passkey
-answers as fp16 KV gives them?
+"""Probe: where the first token of a codebook cache's passkey answers loses
+its log-probability against fp16 KV (a recent window, keys, values, the
+softmax's bias).
 
     python3 scripts/quality/recent_window_probe.py --model models/gemma-3-270m \\
         --dtype bfloat16 --context 8192 --keys 6 --probe 0:5:4 --probe 128:5:4 \\
-        --out $OUT/recent-window-gemma3.json
+        --probe 0:5:16d --kv cq4 --out $OUT/recent-window-gemma3.json
 
 On Gemma a passkey answer that misses mostly misses at its first token: a bare
-space before the digits turns into " the" (docs/quality-levers.md, session
-23). Each prompt of ``omlx_cache.eval``'s passkey test is prefilled once with
-the model's own caches (the reference) and once per ``--probe R:K:V[:E]``: a
-codebook cache of K-bit keys and V-bit values (16: unquantized) (centered keys, key weights,
-the first E tokens kept, 8 by default: cq4's settings) in every layer, with
-the last R tokens attended as they came, the rest as the cache decodes them.
-A ``d`` after the probe (``0:5:4d``) takes half the expected variance of
-each decoded key's score error off its score (``score_bias``). A probe, not a
-cache to use: it keeps a float copy of every token. Per probe
+space before the digits turns into " the" (docs/quality-levers.md, sessions
+23 and 24). Each prompt of ``omlx_cache.eval``'s passkey test is prefilled
+once with the model's own caches (the reference) and once per ``--probe
+R:K:V[:E][d]``: in every layer a codebook cache of K-bit keys and V-bit
+values (16: unquantized) with cq4's settings (centered keys, key weights, the
+first E tokens kept, 8 by default), the last R tokens attended as they came
+and the rest as the cache decodes them; ``d`` takes half the variance of each
+decoded key's score error, from its own error, off its score
+(``score_bias``; the caches' ``+debias`` estimates it from the stored norm).
+A probe, not a cache to use: it keeps a float copy of every token. Per probe
 it reports how often the answer's first token stops (lost) or starts
 (gained) being the greedy one against the reference, and the change of its
 log-probability (mean, standard error, spread). ``--kv NAME`` adds a
-scheme's own caches (cq4: how close the probe without a window comes).
+scheme's own caches (cq4: how close the probe comes to it).
 """
 
 import argparse
