@@ -126,6 +126,22 @@ def test_reconstruction_error_near_lloyd_max(bits, norm):
         assert ((lengths - 1).abs() < 2e-3).all().item()
 
 
+@pytest.mark.parametrize("bits,dim", itertools.product([3, 4, 5, 6], [64, 256]))
+def test_dot_norm_keeps_scores_unbiased(bits, dim):
+    # 5-bit keys lower Gemma's passkey log-probability against 4-bit ones
+    # (docs/quality-levers.md, session 25): not from a biased codebook
+    mx.random.seed(bits * dim)
+    keys = mx.random.normal((4096, dim))
+    query = mx.random.normal((dim,))
+    c = Codebook(bits)
+    decoded = rotate(c.decode(c.encode(keys), mx.float32), "hadamard", inverse=True)
+    scores, errors = keys @ query, (decoded - keys) @ query
+    slope = ((decoded @ query) * scores).sum() / (scores * scores).sum()
+    assert abs(slope.item() - 1) < 0.01
+    standard_error = mx.sqrt((errors * errors).mean() / errors.size)
+    assert abs(errors.mean().item()) < 4 * standard_error.item()
+
+
 def test_codec_specs_round_trip():
     for c in (Codebook(3), Codebook(4, "givens", "plain"), Affine(4, 32), Plain()):
         assert codec(c.spec) == c
