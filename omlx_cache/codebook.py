@@ -356,13 +356,15 @@ class Codebook:
     of variance v weighs exp(v / 2) times its own on average, so keys with
     larger norms (larger errors) would gain weight over the others, and
     every quantized key over the kept, unquantized ones (``error_variance``).
+    A number instead of ``True`` scales the correction (2: twice it), for
+    measuring what its size does.
     """
 
     bits: int = 3
     rotation: str = "hadamard"
     norm: str = "dot"
     norm_bits: int = NORM_BITS
-    debias: bool = False
+    debias: bool | float = False
     parts = 2  # arrays per page: packed indices, norms
 
     def __post_init__(self):
@@ -375,13 +377,17 @@ class Codebook:
             raise ValueError(
                 f"Codebook norm_bits must be 8 or 16, got {self.norm_bits}."
             )
+        if self.debias < 0:
+            raise ValueError(f"Codebook debias must be 0 or more, got {self.debias}.")
 
     @property
     def spec(self) -> str:
         spec = f"codebook-{self.bits}-{self.rotation}-{self.norm}"
         if self.norm_bits != NORM_BITS:
             spec += f"-n{self.norm_bits}"
-        return f"{spec}-debias" if self.debias else spec
+        if not self.debias:
+            return spec
+        return f"{spec}-debias" + ("" if self.debias == 1 else f"{self.debias:g}")
 
     @property
     def relative_error(self) -> float:
@@ -541,10 +547,13 @@ def codec(spec) -> Codebook | Affine | Plain:
         return Codebook(spec)
     if spec == "plain":
         return Plain()
-    match = re.fullmatch(r"codebook-(\d+)-([a-z]+)-([a-z]+)(-n(\d+))?(-debias)?", spec)
+    match = re.fullmatch(
+        r"codebook-(\d+)-([a-z]+)-([a-z]+)(-n(\d+))?(-debias([\d.]+)?)?", spec
+    )
     if match:
         norm_bits = int(match[5] or NORM_BITS)
-        return Codebook(int(match[1]), match[2], match[3], norm_bits, bool(match[6]))
+        debias = float(match[7]) if match[7] else bool(match[6])
+        return Codebook(int(match[1]), match[2], match[3], norm_bits, debias)
     match = re.fullmatch(r"affine-(\d+)-(\d+)-(\w+)", spec)
     if match:
         return Affine(int(match[1]), int(match[2]), match[3])
@@ -593,7 +602,8 @@ def codebook_scaled_dot_product_attention(
     # expected squared error per coordinate (``Codebook.debias``)
     half_energy = None
     if getattr(key_codec, "debias", False):
-        half_energy = 0.5 * mx.square(queries.astype(mx.float32)).sum(-1, True)
+        half_energy = 0.5 * float(key_codec.debias)
+        half_energy = half_energy * mx.square(queries.astype(mx.float32)).sum(-1, True)
     # the output and, in its last column, the softmax's running sum: one
     # chain of results, so a tile's probabilities can go before the next
     # tile's scores exist (as in mlx-lm's quantized attention)

@@ -442,7 +442,7 @@ CODEBOOK_SCHEME = (
     + r"(\+exact(?P<exact>\d+))?"
     + FITTED_LAYERS_SUFFIX
     + r"(\+v(?P<value_layer_bits>\d+)@(?P<value_layers>\d+(\.\d+)*|global))?"
-    + r"(?P<debias>\+debias)?"
+    + r"(?P<debias>\+debias(?P<debias_scale>\d+(\.\d+)?)?)?"
 )
 
 
@@ -471,7 +471,7 @@ def scheme_codecs(
     CODEBOOK_SCHEME,
     syntax="codebook-B, codebook-Kk-Vv, codebook-Kk-aVv [-givens|-none] [-n8] "
     "[+center|+center-kv] [+qscale|+qscale-q] [+exactN] [+kB@L.L|+kvB@L.L|+kB@fitX] "
-    "[+vB@L.L|+vB@global] [+debias]",
+    "[+vB@L.L|+vB@global] [+debias|+debiasX]",
     help="CodebookKVCache: B-bit Lloyd-Max codebook after a Hadamard rotation "
     "(-givens: PlanarQuant pairs) plus a float16 norm per vector (-n8: an 8-bit "
     "log norm); Kk-Vv: K and V bits (16 = unquantized), aV: affine V (Hadamard, "
@@ -485,7 +485,8 @@ def scheme_codecs(
     "element, ranked per model on text it samples itself, once, kept in ~/.cache/omlx-cache; "
     "+v5@global: the values of the layers that attend the whole context in a model with "
     "sliding-window layers); +debias takes half the expected variance of each "
-    "decoded key's score error off its score (MLX ops; the CUDA kernels decline it); "
+    "decoded key's score error off its score (MLX ops; the CUDA kernels decline it), "
+    "+debias2 twice that; "
     "sliding-window layers drop the pages their window no longer sees "
     "(WindowedCodebookKVCache)",
 )
@@ -509,11 +510,13 @@ def codebook(
     value_layer_bits=None,
     value_layers=None,
     debias=None,
+    debias_scale=None,
 ):
     keys, values = scheme_codecs(
         key_bits, value_bits, affine, rotation, norm, norm_bits
     )
-    keys = debiased(keys) if debias else keys
+    strength = float(debias_scale) if debias_scale else True
+    keys = debiased(keys, strength) if debias else keys
     center = center_option(center, center_values)
     keep_exact = int(exact or 0)
     high_layers, high, fit = (), (keys, values), None
@@ -524,7 +527,7 @@ def codebook(
     if layers is not None:
         more = scheme_codecs(layer_bits, None, "", rotation, norm, norm_bits)[0]
         high = (
-            debiased(more) if debias else more,
+            debiased(more, strength) if debias else more,
             more if layer_part == "kv" else values,
         )
     value_high_layers, value_high = (), values
@@ -571,9 +574,9 @@ def codebook(
     )
 
 
-def debiased(codec):
-    """``codec`` with ``debias`` where it is a codebook (keys)."""
-    return replace(codec, debias=True) if isinstance(codec, Codebook) else codec
+def debiased(codec, strength=True):
+    """``codec`` with ``debias=strength`` where it is a codebook (keys)."""
+    return replace(codec, debias=strength) if isinstance(codec, Codebook) else codec
 
 
 def global_layers(model: nn.Module) -> tuple[int, ...]:
@@ -589,7 +592,7 @@ def fit_names(name, key_bits, bits, part) -> tuple[str, str]:
     """The scheme a ``+kB@fitX`` name's layers are ranked for, and the one
     that measures them (``fitting``)."""
     # ranked without the score correction: a scheme and its +debias pick alike
-    base = re.sub(rf"\+{part}{bits}@fit[\d.]+|\+debias$", "", name)
+    base = re.sub(rf"\+{part}{bits}@fit[\d.]+|\+debias[\d.]*$", "", name)
     measure = base
     if part == "k":
         measure = re.sub(r"^codebook-\d+(k-a?\d+v)?", f"codebook-{key_bits}k-16v", base)

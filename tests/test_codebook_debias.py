@@ -51,7 +51,8 @@ def reference(cache, queries, mask):
     variance = mx.where(kept, 0, variance)
     variance = mx.repeat(variance, n_q // keys.shape[1], axis=1)
     energy = (queries * queries).sum(-1, keepdims=True) * scale**2
-    bias = -0.5 * energy * variance[:, :, None, :]
+    strength = float(cache.key_codec.debias)
+    bias = -0.5 * strength * energy * variance[:, :, None, :]
     if mask == "causal":
         bias = mx.where(create_causal_mask(L, length - L), bias, -float("inf"))
     return mx.fast.scaled_dot_product_attention(
@@ -59,11 +60,13 @@ def reference(cache, queries, mask):
     )
 
 
-@pytest.mark.parametrize("new,groups", [(1, 1), (1, 4), (29, 3)])
-def test_attention_matches_reference(new, groups):
+@pytest.mark.parametrize(
+    "new,groups,strength", [(1, 1, True), (1, 4, True), (29, 3, True), (29, 3, 3.5)]
+)
+def test_attention_matches_reference(new, groups, strength):
     mx.random.seed(new + groups)
     cache = CodebookKVCache(
-        Codebook(3, debias=True), 4, page_size=PAGE, center="k", keep_exact=4
+        Codebook(3, debias=strength), 4, page_size=PAGE, center="k", keep_exact=4
     )
     keys, values = fill(cache, 2, 150, new, 64)
     queries = mx.random.normal((1, 2 * groups, new, 64)) * 3
@@ -128,6 +131,22 @@ def test_the_setting_travels(tmp_path):
     save_prompt_cache(path, [cache])
     (loaded,) = load_prompt_cache(path)
     assert loaded.key_codec == Codebook(4, debias=True)
+
+
+def test_a_scaled_correction_travels(tmp_path):
+    assert Codebook(5, debias=3.5).spec == "codebook-5-hadamard-dot-debias3.5"
+    assert codec("codebook-5-hadamard-dot-debias3.5") == Codebook(5, debias=3.5)
+    scheme = schemes.get_scheme("codebook-5k-4v+center+qscale+exact8+debias3.5")
+    caches = scheme.make_cache(make_model())
+    assert {c.key_codec for c in caches} == {Codebook(5, debias=3.5)}
+    cache = caches[0]
+    fill(cache, 2, 100, 1, 64)
+    path = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    assert loaded.key_codec == Codebook(5, debias=3.5)
+    with pytest.raises(ValueError, match="debias must be 0 or more"):
+        Codebook(4, debias=-1.0)
 
 
 def test_a_batch_attends_as_its_caches_alone():
