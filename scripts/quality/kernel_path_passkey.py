@@ -76,12 +76,17 @@ def make_cache(model, scheme, path):
 
 
 def trials(model, prompts, scheme, chunk, progress, path=None):
-    runs = []
+    """The trials of ``prompts`` and the (key, value) bits per element of
+    each layer's cache (``schemes.layer_bits``) after the first: fitted
+    layers (``+k5@fit4.6``) may differ between machines."""
+    runs, layer_bits = [], None
     for prompt in prompts:
         cache = make_cache(model, scheme, path)
         runs.append(kv_eval.passkey_trial(model, prompt, cache, chunk))
+        if layer_bits is None:
+            layer_bits = [kv_schemes.layer_bits(c) for c in cache]
         progress.step()
-    return runs
+    return runs, layer_bits
 
 
 def summary(runs, against) -> dict:
@@ -124,14 +129,14 @@ def main(argv=None):
     progress = kv_eval.Progress(len(prompts) * (1 + len(schemes) * len(args.paths)))
     tic = time.perf_counter()
     progress.label = reference.name
-    fp16 = trials(model, prompts, reference, args.chunk, progress)
+    fp16, _ = trials(model, prompts, reference, args.chunk, progress)
     results = []
     for scheme in schemes:
-        by_path = {}
+        by_path, layer_bits = {}, {}
         for path in args.paths:
             progress.label = f"{scheme.name} {path}"
             with PATHS[path]():
-                by_path[path] = trials(
+                by_path[path], layer_bits[path] = trials(
                     model, prompts, scheme, args.chunk, progress, path
                 )
         for path, runs in by_path.items():
@@ -139,6 +144,7 @@ def main(argv=None):
                 {
                     "kv": scheme.name,
                     "path": path,
+                    "layer_bits": [bits and list(bits) for bits in layer_bits[path]],
                     "vs_fp16": summary(runs, fp16),
                     "vs_ops": summary(runs, by_path["ops"]),
                     "runs": runs,
