@@ -1,0 +1,66 @@
+"""Orthogonal rotations of the last axis, applied before quantization.
+
+A rotation spreads outlier channels over all channels, so a quantizer's range
+is not spent on a few of them. Scores are unchanged when queries are rotated
+the same way, and an output computed from rotated values is rotated back.
+"""
+
+from functools import lru_cache
+
+import mlx.core as mx
+import numpy as np
+
+ROTATIONS = ("hadamard", "givens", "none")
+
+_MATRICES = {}
+
+
+def hadamard_matrix(dim: int, dtype=mx.float32) -> mx.array:
+    """An orthogonal ``dim x dim`` matrix: the normalised Hadamard transform
+    where ``mx.hadamard_transform`` has it (``dim = m * 2**k``, m in 1, 12,
+    20, 28), else a fixed random orthogonal matrix (seed 0)."""
+    if (dim, dtype) not in _MATRICES:
+        eye = mx.eye(dim)
+        rotation = mx.hadamard_transform(eye, stream=mx.cpu)
+        # checked on the CPU: a GPU matmul may run in TF32, too coarse for 1e-4
+        product = mx.matmul(rotation, rotation.T, stream=mx.cpu)
+        if not mx.allclose(product, eye, atol=1e-4, stream=mx.cpu).item():
+            normal = mx.random.normal((dim, dim), key=mx.random.key(0))
+            rotation, _ = mx.linalg.qr(normal, stream=mx.cpu)
+        _MATRICES[dim, dtype] = rotation.astype(dtype)
+    return _MATRICES[dim, dtype]
+
+
+@lru_cache
+def _givens_angles(dim: int):
+    """Cosines and sines of the fixed random angles of the D/2 plane rotations."""
+    theta = np.random.default_rng(dim).uniform(0, 2 * np.pi, dim // 2)
+    return mx.array(np.cos(theta), mx.float32), mx.array(np.sin(theta), mx.float32)
+
+
+def givens_rotate(x: mx.array, inverse: bool = False) -> mx.array:
+    """Rotate each pair of coordinates (2i, 2i + 1) of the last axis by its own
+    fixed random angle (PlanarQuant's block-diagonal rotation), or back."""
+    cos, sin = _givens_angles(x.shape[-1])
+    if inverse:
+        sin = -sin
+    pairs = x.reshape(*x.shape[:-1], -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    out = mx.stack([cos * a - sin * b, sin * a + cos * b], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def rotate(x: mx.array, rotation: str, inverse: bool = False) -> mx.array:
+    """Apply the named rotation to the last axis of ``x`` (or undo it)."""
+    if rotation == "hadamard":
+        matrix = hadamard_matrix(x.shape[-1], x.dtype)
+        return x @ (matrix.T if inverse else matrix)
+    if rotation == "givens":
+        return givens_rotate(x, inverse=inverse)
+    return x
+
+
+def check_rotation(rotation: str) -> str:
+    if rotation not in ROTATIONS:
+        raise ValueError(f"Unknown rotation {rotation!r}; one of {ROTATIONS}.")
+    return rotation

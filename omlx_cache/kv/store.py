@@ -1,0 +1,814 @@
+"""One quantized KV store, composed: codecs, pages, a transform, spans, a layout.
+
+``KVStore`` is a KV cache for one sequence and ``BatchKVStore`` for a batch
+of left-padded ones (the server's), both with mlx-lm's cache protocol:
+``update_and_fetch``, ``make_mask``, ``state`` / ``from_state``, ``trim``,
+``nbytes``, and for batches ``merge``, ``extract``, ``filter``, ``extend``,
+``prepare`` and ``finalize``. They own their attention
+(``scaled_dot_product_attention``, which mlx-lm's models call through
+``base.scaled_dot_product_attention``).
+
+What a store holds:
+
+- **pages** of encoded keys and values, one codec each (``codecs``: affine
+  with its own bits and group size for keys and values, codebook, plain),
+  allocated once and written in place; ``reserve`` makes the first page
+  hold a whole generation.
+- a **transform** (``transform``): centering and key weights, fixed at the
+  first write, applied before encoding.
+- **spans** (``spans``): tokens held outside the pages, unquantized: the
+  first ``first`` tokens of every sequence, and the recent ones (a
+  residual of ``recent`` tokens, or decode tokens a kernel asks to hold).
+- a **layout**: every token, or a ``window``: a bounded layer (a sliding
+  window, or ``--max-kv-size``) drops the pages no query can see any more;
+  a query sees the last ``window - keep`` tokens and the first ``keep``,
+  which the first span holds for good.
+
+Rows: a store's tokens are rows ``0, 1, ...`` (in a batch, row ``r`` is
+token ``r - left_padding[i]`` of sequence ``i``); the pages hold the rows
+from ``dropped`` to ``written``, the recent span the ones after.
+"""
+
+import json
+
+import mlx.core as mx
+
+from .attention import Call, First, attend
+from .codecs import Affine, codec
+from .kernels import hold as kernel_hold
+from .rotation import rotate
+from .spans import Spans, check_tokens
+from .transform import Transform
+
+
+def _causal(N, offset, cols, left_padding=None, window=None):
+    """Visibility (B or 1, 1, N, cols) of stored rows ``row(c) = c + (offset +
+    N - cols)`` for queries at rows ``offset`` to ``offset + N``."""
+    q = mx.arange(offset, offset + N)[:, None]
+    rows = mx.arange(cols) + (offset + N - cols)
+    mask = rows[None] <= q
+    if window is not None:
+        mask = mask & (q - rows[None] < window)
+    mask = mask[None, None]
+    if left_padding is not None:
+        mask = mask & (rows >= left_padding[:, None, None, None])
+    return mask
+
+
+class KVStore:
+    """A quantized KV cache for one sequence (see the module docstring).
+
+    ``keys`` / ``values``: codecs, codec specs or ints (codebook bits);
+    ``values`` defaults to the key codec. ``center`` (``"k"``, ``"kv"``),
+    ``key_scale`` (``"q"``, ``"qk"``): the transform. ``first``: tokens of
+    every sequence also kept unquantized; ``recent``: a residual (R to 2R - 1
+    recent tokens held unquantized, R a multiple of 8). ``window`` / ``keep``:
+    a bounded layer's layout.
+    """
+
+    page_size = 4096
+
+    def __init__(
+        self,
+        keys=Affine(8),
+        values=None,
+        *,
+        center="",
+        key_scale="",
+        first=0,
+        recent=0,
+        window=None,
+        keep=0,
+        page_size=None,
+    ):
+        self.key_codec = codec(keys)
+        self.value_codec = codec(keys if values is None else values)
+        self.transform = Transform(center, key_scale)
+        if window is not None:
+            window = check_tokens(window, "window")
+            keep = check_tokens(keep, "keep")
+            if not 0 <= keep < window:
+                raise ValueError(f"keep must be less than the window, got {keep}.")
+            # the window's sinks are held for good in the first span
+            first = max(first, keep)
+            page_size = page_size or -(-window // 16) * 16
+        self.window, self.keep = window, keep if window is not None else 0
+        self.spans = Spans(first, recent)
+        if self.spans.recent and window is not None:
+            raise ValueError("A residual (recent) needs a store without a window.")
+        self.page_size = int(page_size or type(self).page_size)
+        self.key_pages, self.value_pages = [], []
+        self.offset = 0
+        self.left_padding = 0
+        self._idx = 0  # rows written (pending and held ones included)
+        self._written = 0  # rows in the pages (dropped ones included)
+        self.dropped = 0
+        self.reserve = None
+        # the first write, waiting for the queries that set the key weights
+        self._pending = None
+
+    # ------------------------------------------------------------------
+    # settings
+
+    @property
+    def settings(self) -> dict:
+        """What the store is, as ``__init__`` takes it (JSON-ready)."""
+        return {
+            "keys": self.key_codec.spec,
+            "values": self.value_codec.spec,
+            **self.transform.settings,
+            **self.spans.settings,
+            "window": self.window,
+            "keep": self.keep,
+            "page_size": self.page_size,
+        }
+
+    def _batch_settings(self) -> dict:
+        """What stores must share to be batched (the page size need not)."""
+        return {k: v for k, v in self.settings.items() if k != "page_size"}
+
+    @property
+    def max_size(self):
+        """A bounded layer's window (None: unbounded), as ``RotatingKVCache``."""
+        return self.window
+
+    @property
+    def bits_per_element(self):
+        """(key, value) bits per element for this store's head dims; None
+        before the first tokens."""
+        if not self.key_pages:
+            return None
+        return tuple(
+            c.bits_per_element(c.dim(pages[0]))
+            for c, pages in (
+                (self.key_codec, self.key_pages),
+                (self.value_codec, self.value_pages),
+            )
+        )
+
+    # ------------------------------------------------------------------
+    # writing
+
+    def _valid_range(self):
+        """Each sequence's rows in the next write: (start, stop), or Nones."""
+        return None, None
+
+    def _prepared(self, keys, values, rotated):
+        keys, values = self.transform(keys, values)
+        if rotated:
+            keys = rotate(keys, self.key_codec.rotation)
+            values = rotate(values, self.value_codec.rotation)
+        return keys, values
+
+    def _add_page(self, keys, values, size):
+        self.key_pages.append(self.key_codec.empty_page(keys, size))
+        self.value_pages.append(self.value_codec.empty_page(values, size))
+
+    @property
+    def capacity(self) -> int:
+        """Rows the allocated pages hold."""
+        return sum(page[0].shape[2] for page in self.key_pages)
+
+    def _write_rows(self, keys, values, rotated=False):
+        """Encode ``keys`` and ``values`` (transformed; ``rotated``: in the
+        codecs' rotated domains) into the pages after the rows written."""
+        T = keys.shape[2]
+        row = self._written
+        if self.spans.first:
+            first_end = self._max_padding() + self.spans.first
+            if row < first_end:
+                n = min(T, first_end - row)
+                k, v = keys[:, :, :n], values[:, :, :n]
+                if not rotated:
+                    k = rotate(k, self.key_codec.rotation)
+                    v = rotate(v, self.value_codec.rotation)
+                self.spans.keep_first(k, v, row, self.left_padding)
+        encoded = (
+            self.key_codec.encode(keys, rotated),
+            self.value_codec.encode(values, rotated),
+        )
+        start = row - self.dropped
+        capacity = self.capacity
+        while capacity < start + T:
+            size = self.page_size
+            if self.reserve and not self.key_pages:
+                # a multiple of 16 tokens keeps the kernels' tiles in a page
+                size = max(size, -(-self.reserve // 16) * 16)
+            self._add_page(keys, values, size)
+            capacity += size
+        for pages, parts in zip((self.key_pages, self.value_pages), encoded):
+            _write(pages, parts, start, capacity)
+        self._written += T
+
+    def _max_padding(self) -> int:
+        return 0
+
+    def _holds(self, keys, values) -> bool:
+        """Whether a decode token waits unquantized for a kernel."""
+        spans = self.spans
+        if spans.recent or keys.shape[2] != 1 or self._pending is not None:
+            return False
+        if self._written < self._max_padding() + spans.first:
+            # the first tokens are kept as they are written to the pages
+            return False
+        if spans.hold is None:
+            spans.hold = kernel_hold(keys, values, self.key_codec, self.value_codec)
+            spans.hold = spans.hold or False
+        return bool(spans.hold)
+
+    def update_and_fetch(self, keys, values):
+        T = keys.shape[2]
+        self._drop(self._drop_to())
+        if self.empty():
+            self.key_codec.check_dim(keys.shape[-1])
+            self.value_codec.check_dim(values.shape[-1])
+            self.transform.set_means(keys, values, *self._valid_range())
+        if self.transform.waits_for_queries and self.empty():
+            self._pending = (keys, values, self._valid_range())
+        elif self._holds(keys, values):
+            released = self.spans.buffer(keys, values, self._prepare_held)
+            if released is not None:
+                self._write_rows(*released, rotated=self.spans.rotated)
+        elif self.spans.recent:
+            aged = self.spans.age(*self._prepared(keys, values, rotated=True))
+            if aged is not None:
+                self._write_rows(*aged, rotated=True)
+        else:
+            self._flush()
+            self._write_rows(*self.transform(keys, values))
+        self._idx += T
+        self.offset = self.offset + T
+        return self.key_pages, self.value_pages
+
+    def _prepare_held(self, keys, values):
+        return self._prepared(keys, values, rotated=self.spans.rotated)
+
+    def _flush_pending(self, queries=None):
+        """Set the key weights from ``queries`` (ones without) and write the
+        first write that waited for them."""
+        if self._pending is None:
+            return
+        keys, values, (start, stop) = self._pending
+        self._pending = None
+        self.transform.set_weights(keys, queries, start, stop)
+        if self.spans.recent:
+            aged = self.spans.age(*self._prepared(keys, values, rotated=True))
+            if aged is not None:
+                self._write_rows(*aged, rotated=True)
+        else:
+            self._write_rows(*self.transform(keys, values))
+
+    def _flush_held(self):
+        """Write the kernel's held decode tokens to the pages (a residual's
+        stay held)."""
+        if self.spans.recent or not self.spans.n_held:
+            return
+        released = self.spans.release(self._prepare_held)
+        self._write_rows(*released, rotated=self.spans.rotated)
+
+    def _flush(self):
+        self._flush_pending()
+        self._flush_held()
+
+    def _release_all(self):
+        """Write every held token to the pages (a residual's too)."""
+        released = self.spans.release(self._prepare_held)
+        if released is not None:
+            self._write_rows(*released, rotated=self.spans.rotated)
+            self._idx = self._written
+        if self.spans.recent:
+            self.spans.held_keys = self.spans.held_values = None
+
+    # ------------------------------------------------------------------
+    # the window
+
+    def _drop_to(self) -> int:
+        """Rows the pages will have dropped once the next write's queries
+        (from row ``_idx`` on) attend: whole pages before the first row they
+        see (the sinks are in the first span)."""
+        if self.window is None:
+            return self.dropped
+        visible_from = self._idx - (self.window - self.keep) + 1
+        dropped = self.dropped
+        for page in self.key_pages:
+            size = page[0].shape[2]
+            if dropped + size > min(visible_from, self._written):
+                break
+            dropped += size
+        return dropped
+
+    def _drop(self, target):
+        while self.dropped < target:
+            size = self.key_pages[0][0].shape[2]
+            del self.key_pages[0], self.value_pages[0]
+            self.dropped += size
+        if self.dropped and not self.keep:
+            # a sliding window's first tokens went with their page
+            if self.dropped >= self._max_padding() + self.spans.first:
+                self.spans.drop_first()
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        window = self.window - self.keep if self.window else window_size
+        if window is None:
+            if N == 1:
+                return None
+            if not return_array:
+                return "causal"
+        cols = self._idx + N - self._drop_to()
+        return _causal(N, self._idx, cols, None, window)
+
+    def _first_mask(self, queries):
+        """A bounded store's first span's visibility: its sinks always, the
+        others within the window."""
+        N = queries.shape[2]
+        n = self.spans.first
+        rows = mx.arange(n) + self.left_padding_array()[:, None]  # (B, n)
+        q = mx.arange(self._idx - N, self._idx)[:, None]
+        in_window = q - rows[:, None] < self.window - self.keep
+        visible = (rows[:, None] <= q) & (in_window | (mx.arange(n) < self.keep))
+        return visible[:, None]
+
+    def left_padding_array(self):
+        return mx.array([self.left_padding])
+
+    # ------------------------------------------------------------------
+    # attention
+
+    def _first(self, queries):
+        first = self.spans.first_tokens(self.left_padding)
+        if first is None:
+            return None
+        start = first.first - self.dropped
+        mask = self._first_mask(queries) if self.window is not None else None
+        return First(first.keys, first.values, start, first.count, mask)
+
+    def scaled_dot_product_attention(
+        self, queries, keys, values, scale, mask, sinks=None
+    ):
+        self._flush_pending(queries)
+        spans = self.spans
+        call = Call(
+            queries,
+            scale,
+            mask,
+            sinks,
+            self.key_codec,
+            self.value_codec,
+            self.key_pages,
+            self.value_pages,
+            length=self._written - self.dropped,
+            first=self._first(queries),
+            recent=spans.recent_tokens(),
+            key_mean=self.transform.key_mean,
+            value_mean=self.transform.value_mean,
+            key_weights=self.transform.key_weights,
+            land=self._land,
+        )
+        out = attend(call)
+        if call.held is not None:
+            # a kernel wrote the incoming token into the buffer
+            spans.held_keys, spans.held_values = call.held
+            spans.incoming = None
+        return out
+
+    def _land(self):
+        self.spans.land(self._prepare_held)
+        return self.spans.recent_tokens()
+
+    # ------------------------------------------------------------------
+    # the protocol
+
+    def empty(self):
+        return not self.key_pages and self._pending is None and not self.spans.n_held
+
+    def size(self):
+        return self._idx
+
+    def is_trimmable(self):
+        return not self.dropped
+
+    def trim(self, n):
+        n = min(self._idx, n)
+        self._flush_pending()
+        if self.spans.recent:
+            held = self.spans.trim_held(n)
+        else:
+            self._flush_held()
+            held = 0
+        self._written -= n - held
+        self._idx -= n
+        self.offset = self.offset - n
+        return n
+
+    def keys_and_values(self):
+        """The encoded keys and values of the pages, one tuple each (a copy
+        when there are several pages)."""
+        self._flush()
+        length = self._written - self.dropped
+        return tuple(
+            tuple(x[:, :, :length] for x in _joined(pages))
+            for pages in (self.key_pages, self.value_pages)
+        )
+
+    @property
+    def nbytes(self):
+        pages = sum(
+            x.nbytes for page in self.key_pages + self.value_pages for x in page
+        )
+        return pages + self.spans.nbytes + self.transform.nbytes
+
+    @property
+    def state(self):
+        self._flush_pending()
+        self.spans.land(self._prepare_held)
+        spans = self.spans
+        return (
+            [list(page) for page in self.key_pages],
+            [list(page) for page in self.value_pages],
+            spans.first_keys,
+            spans.first_values,
+            spans.held_keys if spans.n_held else None,
+            spans.held_values if spans.n_held else None,
+            *self.transform.arrays(),
+            *self._rows_state(),
+            json.dumps(self.settings),
+        )
+
+    def _rows_state(self):
+        return (self.offset, self._idx, self._written, self.dropped, self.spans.n_held)
+
+    @state.setter
+    def state(self, v):
+        *arrays, settings = v
+        try:
+            settings = json.loads(settings)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"{type(self).__name__}: the state's settings are not JSON."
+            )
+        key_pages, value_pages, *rest = arrays
+        spans, means, rows = rest[:4], rest[4:7], rest[7:]
+        fresh = type(self)(**settings) if not self._is_batch() else None
+        if fresh is None:
+            fresh = type(self)([0], **settings)
+        key_pages = [tuple(p) for p in key_pages]
+        value_pages = [tuple(p) for p in value_pages]
+        _check_pages(fresh.key_codec, key_pages, "key")
+        _check_pages(fresh.value_codec, value_pages, "value")
+        if len(key_pages) != len(value_pages):
+            raise ValueError("Cache state has key and value pages of different counts.")
+        fresh.transform = Transform(
+            **fresh.transform.settings,
+            key_mean=means[0],
+            value_mean=means[1],
+            key_weights=means[2],
+        )
+        self.__dict__.update(fresh.__dict__)
+        self.key_pages, self.value_pages = key_pages, value_pages
+        self.spans.first_keys, self.spans.first_values = spans[0], spans[1]
+        if (spans[0] is None) != (spans[1] is None):
+            raise ValueError("Cache state has kept keys without values or back.")
+        self._set_rows(*rows)
+        if spans[2] is not None:
+            self.spans.held_keys, self.spans.held_values = spans[2], spans[3]
+            if self.spans.held_keys.shape[2] < self.spans.n_held:
+                raise ValueError("Cache state holds fewer recent tokens than it says.")
+            if not self.spans.recent:
+                # a kernel's buffer: written to the pages at the next write
+                self.spans.hold = None
+        elif self.spans.n_held:
+            raise ValueError("Cache state says it holds recent tokens but has none.")
+        if self.capacity < self._written - self.dropped:
+            raise ValueError("Cache state holds fewer tokens than its offset.")
+
+    def _is_batch(self) -> bool:
+        return False
+
+    def _set_rows(self, offset, idx, written, dropped, n_held):
+        self.offset, self._idx, self._written = int(offset), int(idx), int(written)
+        self.dropped, self.spans.n_held = int(dropped), int(n_held)
+        if (
+            self._written + self.spans.n_held != self._idx
+            or self.dropped > self._written
+        ):
+            raise ValueError("Cache state's row counts do not agree.")
+
+    @classmethod
+    def from_state(cls, state):
+        obj = cls.__new__(cls)
+        obj.state = state
+        return obj
+
+    @classmethod
+    def merge(cls, caches):
+        return BatchKVStore.merge(caches)
+
+
+def _check_pages(codec_, pages, name):
+    if any(len(page) != codec_.parts for page in pages):
+        raise ValueError(f"Cache state does not hold {codec_.spec} {name} pages.")
+
+
+def _write(pages, encoded, start, capacity):
+    """Write ``encoded`` from stored row ``start`` on into ``pages``, which hold
+    ``capacity`` rows; visited from the last page back, as writes go to the
+    end."""
+    T = encoded[0].shape[2]
+    page_end = capacity
+    for page in reversed(pages):
+        if page_end <= start:
+            break
+        page_start = page_end - page[0].shape[2]
+        lo, hi = max(start, page_start), min(start + T, page_end)
+        if lo < hi:
+            whole = hi - lo == T
+            for dst, x in zip(page, encoded):
+                # a decode step's token goes in whole, with no slice to build
+                src = x if whole else x[:, :, lo - start : hi - start]
+                dst[:, :, lo - page_start : hi - page_start] = src
+        page_end = page_start
+
+
+def _joined(pages):
+    """One tuple of a codec's arrays (a copy for several pages)."""
+    if len(pages) == 1:
+        return pages[0]
+    return tuple(mx.concatenate(parts, axis=2) for parts in zip(*pages))
+
+
+def _padded(x, left, size):
+    """``x`` (B, heads, T, D) with ``left`` zero rows before it, ``size`` rows
+    in all."""
+    x = x[:, :, : size - left]
+    return mx.pad(x, [(0, 0), (0, 0), (left, size - left - x.shape[2]), (0, 0)])
+
+
+class BatchKVStore(KVStore):
+    """``KVStore`` for a batch of left-padded sequences: ``offset`` and
+    ``left_padding`` are (B,) arrays, ``merge`` (of ``KVStore``s),
+    ``extract``, ``filter`` and ``extend`` move encoded pages without
+    decoding them."""
+
+    def __init__(self, left_padding, keys=Affine(8), values=None, **settings):
+        super().__init__(keys, values, **settings)
+        self.left_padding = mx.array(left_padding)
+        self.offset = mx.array([-p for p in left_padding])
+        self._right_padding = None
+        self._valid_stop = None
+
+    def _is_batch(self) -> bool:
+        return True
+
+    def _max_padding(self) -> int:
+        return max(self.left_padding.tolist(), default=0)
+
+    def left_padding_array(self):
+        return self.left_padding
+
+    def _valid_range(self):
+        start = self.left_padding - self._idx
+        stop = None if self._valid_stop is None else self._valid_stop - self._idx
+        return start, stop
+
+    def make_mask(self, N, return_array=False, window_size=None):
+        window = self.window - self.keep if self.window else window_size
+        cols = self._idx + N - self._drop_to()
+        return _causal(N, self._idx, cols, self.left_padding, window)
+
+    def prepare(self, *, left_padding=None, lengths=None, right_padding=None):
+        if left_padding is not None:
+            if not self.empty():
+                raise ValueError("Left padding can only be added to an empty cache.")
+            self.left_padding = self.left_padding + mx.array(left_padding)
+            self.offset = self.offset - mx.array(left_padding)
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = mx.array(right_padding)
+        if lengths is not None and self.transform.key_mean is None:
+            # right padding is left out of the means of a first write
+            self._valid_stop = mx.array(lengths) + self._idx
+
+    def finalize(self):
+        """Move right-padded prompts to the right end (once, after prefill)."""
+        if self._right_padding is None:
+            return
+        self._flush()
+        if self.window is not None and self.dropped:
+            raise ValueError("A bounded batch store cannot take right padding.")
+        shift = self._right_padding[:, None]
+        keys, values = (_joined(p) for p in (self.key_pages, self.value_pages))
+        self.key_pages = [tuple(_roll(x, shift) for x in keys)]
+        self.value_pages = [tuple(_roll(x, shift) for x in values)]
+        self.offset = self.offset - self._right_padding
+        self.left_padding = self.left_padding + self._right_padding
+        self._right_padding = None
+
+    @property
+    def state(self):
+        return (*super().state[:-1], self.left_padding, json.dumps(self.settings))
+
+    @state.setter
+    def state(self, v):
+        *rest, left_padding, settings = v
+        KVStore.state.fset(self, (*rest, settings))
+        self.left_padding = left_padding
+        self._right_padding = None
+        self._valid_stop = None
+
+    def _rows_state(self):
+        return (self.offset, self._idx, self._written, self.dropped, self.spans.n_held)
+
+    def _set_rows(self, offset, idx, written, dropped, n_held):
+        self.offset = offset
+        self._idx, self._written = int(idx), int(written)
+        self.dropped, self.spans.n_held = int(dropped), int(n_held)
+        if self._written + self.spans.n_held != self._idx:
+            raise ValueError("Cache state's row counts do not agree.")
+
+    def filter(self, batch_indices):
+        """Keep the sequences ``batch_indices``, dropping left padding they
+        all share (whole pages of it, and a view into the first page)."""
+        self._flush()
+        if not isinstance(batch_indices, mx.array):
+            batch_indices = mx.array(batch_indices)
+        for pages in (self.key_pages, self.value_pages):
+            pages[:] = [tuple(x[batch_indices] for x in page) for page in pages]
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        self.transform.take(batch_indices)
+        spans = self.spans
+        if spans.first_keys is not None:
+            spans.first_keys = spans.first_keys[batch_indices]
+            spans.first_values = spans.first_values[batch_indices]
+        if spans.n_held:
+            spans.held_keys = spans.held_keys[batch_indices]
+            spans.held_values = spans.held_values[batch_indices]
+        shared = min(self.left_padding.tolist(), default=0) - self.dropped
+        if shared <= 0 or self.window is not None:
+            return
+        for pages in (self.key_pages, self.value_pages):
+            skip = shared
+            while pages and pages[0][0].shape[2] <= skip:
+                skip -= pages.pop(0)[0].shape[2]
+            if skip:
+                pages[0] = tuple(x[:, :, skip:] for x in pages[0])
+        self._idx -= shared
+        self._written -= shared
+        self.left_padding = self.left_padding - shared
+
+    def _rows(self, idx, size, like):
+        """Key and value tuples of ``size`` rows, this store's rows ending at
+        row ``idx`` (zeros shaped like ``like`` when it is empty)."""
+        B = self.offset.shape[0]
+        if self._written == self.dropped:
+            return tuple(
+                tuple(mx.zeros((B, x.shape[1], size, x.shape[3]), x.dtype) for x in t)
+                for t in like
+            )
+        left = idx - self._written
+        return tuple(
+            tuple(_padded(x, left, size) for x in stored)
+            for stored in self.keys_and_values()
+        )
+
+    def extend(self, other):
+        """Append the sequences of ``other`` (a store of the same settings)."""
+        _check_batchable([self, other])
+        for c in (self, other):
+            c._flush()
+            c._release_all()
+            if c.dropped:
+                raise ValueError(
+                    "Bounded batch stores that dropped pages do not extend."
+                )
+        sizes = [c.offset.shape[0] for c in (self, other)]
+        self.transform = Transform.joined([self.transform, other.transform], sizes)
+        first = _joined_first([self, other], sizes)
+        if self.empty() and other.empty():
+            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
+            self.offset = mx.concatenate([self.offset, other.offset])
+            self.spans.first_keys, self.spans.first_values = first
+            return
+        idx = max(self._written, other._written)
+        size = max(self.capacity, other.capacity, idx)
+        like = (other if self._written == 0 else self).keys_and_values()
+        (k1, v1), (k2, v2) = (c._rows(idx, size, like) for c in (self, other))
+        self.key_pages = [tuple(mx.concatenate(x, axis=0) for x in zip(k1, k2))]
+        self.value_pages = [tuple(mx.concatenate(x, axis=0) for x in zip(v1, v2))]
+        self.left_padding = mx.concatenate(
+            [c.left_padding + idx - c._written for c in (self, other)]
+        )
+        self.offset = mx.concatenate([self.offset, other.offset])
+        self._idx = self._written = idx
+        self.spans.first_keys, self.spans.first_values = first
+
+    def extract(self, idx):
+        """Sequence ``idx`` as a ``KVStore`` (a copy, its padding dropped)."""
+        self._flush()
+        settings = self.settings
+        store = KVStore(**settings)
+        padding = self.left_padding.tolist()[idx]
+        skip = max(padding - self.dropped, 0)
+        keys, values = self.keys_and_values()
+        store.key_pages, store.value_pages = (
+            [tuple(mx.contiguous(x[idx : idx + 1, :, skip:]) for x in stored)]
+            for stored in (keys, values)
+        )
+        n = self._idx - padding
+        store.offset = store._idx = n
+        store.dropped = max(self.dropped - padding, 0)
+        store._written = self._written - padding
+        spans = self.spans
+        if spans.n_held:
+            store.spans.held_keys = mx.contiguous(spans.held_keys[idx : idx + 1])
+            store.spans.held_values = mx.contiguous(spans.held_values[idx : idx + 1])
+            store.spans.n_held = spans.n_held
+            store.spans.hold = spans.hold
+        if spans.first_keys is not None:
+            store.spans.first_keys, store.spans.first_values = (
+                mx.contiguous(x[idx : idx + 1])
+                for x in (spans.first_keys, spans.first_values)
+            )
+        store.transform = Transform(
+            **self.transform.settings,
+            **{
+                name: None if x is None else x[idx : idx + 1]
+                for name, x in zip(
+                    ("key_mean", "value_mean", "key_weights"), self.transform.arrays()
+                )
+            },
+        )
+        return store
+
+    @classmethod
+    def merge(cls, caches):
+        """One batch of ``KVStore``s, left-padded to the longest."""
+        _check_batchable(caches)
+        for c in caches:
+            c._flush()
+            c._release_all()
+            if c.dropped:
+                raise ValueError("Bounded stores that dropped pages do not batch.")
+        lengths = [c._written for c in caches]
+        longest = max(lengths)
+        padding = [longest - n for n in lengths]
+        batch = cls(padding, **caches[0].settings)
+        batch.transform = Transform.joined(
+            [c.transform for c in caches], [1] * len(caches)
+        )
+        first = _joined_first(caches, [1] * len(caches))
+        batch.spans.first_keys, batch.spans.first_values = first
+        batch.offset = batch.offset + longest
+        batch._idx = batch._written = longest
+        if longest == 0:
+            return batch
+        stored = [c.keys_and_values() if c._written else None for c in caches]
+        like = next(s for s in stored if s is not None)
+        merged = tuple(
+            tuple(
+                mx.zeros((len(caches), x.shape[1], longest, x.shape[3]), x.dtype)
+                for x in part
+            )
+            for part in like
+        )
+        for i, (p, s) in enumerate(zip(padding, stored)):
+            for rows, part in zip(merged, s or ()):
+                for dst, x in zip(rows, part):
+                    dst[i : i + 1, :, p:] = x
+        batch.key_pages, batch.value_pages = [merged[0]], [merged[1]]
+        return batch
+
+
+def _roll(x, shift):
+    """Rows of each sequence rolled right by its ``shift`` (B, 1)."""
+    n = x.shape[2]
+    index = (mx.arange(n)[None] - shift) % n
+    index = mx.broadcast_to(index[:, None, :, None], x.shape[:3] + (1,))
+    return mx.take_along_axis(x, mx.broadcast_to(index, x.shape), axis=2)
+
+
+def _check_batchable(caches):
+    settings = [c._batch_settings() for c in caches]
+    if any(s != settings[0] for s in settings):
+        raise ValueError(f"Cannot batch KV stores with different settings: {settings}")
+
+
+def _joined_first(stores, sizes):
+    """The first spans of stores laid end to end (zeros where a store has
+    none yet: its first tokens are written later, or it is empty)."""
+    n = stores[0].spans.first
+    parts = [(s.spans.first_keys, s.spans.first_values) for s in stores]
+    like = next((p for p in parts if p[0] is not None), None)
+    if not n or like is None:
+        return None, None
+    joined = []
+    for i in range(2):
+        rows = []
+        for (keys, values), size in zip(parts, sizes):
+            x = (keys, values)[i]
+            if x is None:
+                x = mx.zeros(
+                    (size, like[i].shape[1], n, like[i].shape[3]), like[i].dtype
+                )
+            rows.append(x)
+        joined.append(mx.concatenate(rows))
+    return tuple(joined)

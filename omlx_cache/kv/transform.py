@@ -1,0 +1,193 @@
+"""Centering and key weights: what a store does to keys and values before a
+codec encodes them, fixed at the first write.
+
+Softmax does not change when the same constant is added to every score of a
+query row. A store that keeps ``k - m`` instead of ``k``, with ``m`` one
+vector per sequence and KV head, gives scores ``q . k - q . m``: the same
+attention, except that the quantizer no longer spends its range on ``m``.
+Values can be centered too: the output ``sum_i p_i (v_i - m_v) + m_v`` is
+exact because the probabilities sum to 1. The means are taken over the first
+write of an empty store (per sequence, its padding left out, and the first
+token left out when there are others: it is often an attention sink with an
+outlier key), then frozen.
+
+Key weights (``key_scale``): keys stored channel by channel times a
+per-head weight from the queries that attend the first write, queries divided
+by it (``query_key_weights``): every ``q . k`` is unchanged, but more of the
+quantizer's precision goes to the channels the queries weigh.
+"""
+
+import mlx.core as mx
+
+CENTERS = ("k", "kv")
+KEY_SCALES = ("q", "qk")
+
+
+def check_choice(value, name: str, choices: tuple, default: str) -> str:
+    """``""`` (off: None, False or ``""``), ``default`` (True) or one of
+    ``choices`` from the setting ``name``, else ValueError."""
+    if value is None or value is False or value == "":
+        return ""
+    if value is True:
+        return default
+    if value in choices:
+        return value
+    raise ValueError(
+        f"{name} must be one of {choices}, True or off (None, False, ''), "
+        f"got {value!r}."
+    )
+
+
+def first_write_mean(x: mx.array, start=None, stop=None) -> mx.array:
+    """Float32 mean of ``x`` (B, n_kv_heads, T, D) over the tokens ``start`` to
+    ``stop`` of each batch element (ints or (B,) arrays; default all), leaving
+    out the first of them when there are more: shape (B, n_kv_heads, 1, D),
+    zero for an element with no token in range."""
+    B, _, T, _ = x.shape
+    start = mx.broadcast_to(mx.array(0 if start is None else start), (B,))
+    stop = mx.broadcast_to(mx.array(T if stop is None else stop), (B,))
+    start, stop = mx.clip(start, 0, T), mx.clip(stop, 0, T)
+    first = start + (stop - start > 1)
+    pos = mx.arange(T)[None]
+    weights = (pos >= first[:, None]) & (pos < stop[:, None])
+    weights = weights.astype(mx.float32)[:, None, :, None]
+    total = (x.astype(mx.float32) * weights).sum(axis=2, keepdims=True)
+    return total / mx.maximum(weights.sum(axis=2, keepdims=True), 1)
+
+
+def query_key_weights(keys, queries=None, start=None, stop=None, mode="qk"):
+    """Per-channel key weights (B, n_kv_heads, 1, D) from a first write of
+    (centered) ``keys`` (B, n_kv_heads, T, D) and the queries that attend it
+    (B, n_q_heads, T, D; ones without). A key error ``e`` costs a query
+    ``(q . e)^2``: with keys stored as ``a * k`` and queries as ``q / a``, the
+    expected cost is least for ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4``
+    (``mode="qk"``). ``mode="q"`` takes the keys' energies as even and the
+    queries' alone, a little flatter: ``a_c = E[q_c^2] ** 1/5``. Means over
+    each sequence's tokens ``start`` to ``stop`` but the first (as
+    ``first_write_mean``); the weights' geometric mean is 1, each within
+    1/16 to 16."""
+    B, n_kv_heads, T, D = keys.shape
+    if queries is None:
+        return mx.ones((B, n_kv_heads, 1, D), mx.float32)
+    if queries.shape[2] != T:
+        start = stop = None
+    q = first_write_mean(queries.astype(mx.float32) ** 2, start, stop)
+    q = q.reshape(B, n_kv_heads, -1, D).mean(axis=2, keepdims=True)
+    q_floor = 1e-6 * (q.mean(axis=-1, keepdims=True) + 1e-30)
+    if mode == "q":
+        weights = (q + q_floor) ** 0.2
+    else:
+        energy = first_write_mean(keys.astype(mx.float32) ** 2, start, stop)
+        floor = 1e-6 * (energy.mean(axis=-1, keepdims=True) + 1e-30)
+        weights = ((q + q_floor) / (energy + floor)) ** 0.25
+    weights = weights / mx.exp(mx.log(weights).mean(axis=-1, keepdims=True))
+    return mx.clip(weights, 1 / 16, 16)
+
+
+def _rows(parts, sizes, fill):
+    """Per-sequence arrays laid end to end; ``fill(n, like)`` for the ``sizes[i]``
+    sequences of a part that has none; None when no part has any."""
+    known = [p for p in parts if p is not None]
+    if not known:
+        return None
+    like = known[0]
+    return mx.concatenate(
+        [p if p is not None else fill(n, like) for p, n in zip(parts, sizes)]
+    )
+
+
+def _zeros(n, like):
+    return mx.zeros((n, *like.shape[1:]), like.dtype)
+
+
+def _ones(n, like):
+    return mx.ones((n, *like.shape[1:]), like.dtype)
+
+
+class Transform:
+    """``center`` (``""``, ``"k"`` or ``"kv"``; True: ``"k"``) and ``key_scale``
+    (``""``, ``"q"`` or ``"qk"``; True: ``"qk"``), with what the first write
+    sets: ``key_mean``, ``value_mean`` and ``key_weights`` (B, n_kv_heads, 1,
+    D), None until then."""
+
+    def __init__(
+        self, center="", key_scale="", key_mean=None, value_mean=None, key_weights=None
+    ):
+        self.center = check_choice(center, "center", CENTERS, "k")
+        self.key_scale = check_choice(key_scale, "key_scale", KEY_SCALES, "qk")
+        self.key_mean, self.value_mean = key_mean, value_mean
+        self.key_weights = key_weights
+        if key_mean is not None and not self.center:
+            raise ValueError("Cache state has a key mean but centering is off.")
+        if (value_mean is not None) != (self.center == "kv" and key_mean is not None):
+            raise ValueError(
+                f"Cache state's value mean does not fit center={self.center!r}."
+            )
+        if key_weights is not None and not self.key_scale:
+            raise ValueError("Cache state has key weights but key_scale is off.")
+
+    @property
+    def settings(self) -> dict:
+        return {"center": self.center, "key_scale": self.key_scale}
+
+    @property
+    def waits_for_queries(self) -> bool:
+        """Whether the first write must wait for the queries that set the weights."""
+        return bool(self.key_scale) and self.key_weights is None
+
+    def set_means(self, keys, values, start=None, stop=None):
+        if self.center and self.key_mean is None:
+            self.key_mean = first_write_mean(keys, start, stop)
+            if self.center == "kv":
+                self.value_mean = first_write_mean(values, start, stop)
+
+    def set_weights(self, keys, queries=None, start=None, stop=None):
+        """Set the key weights from a first write's ``keys`` (as they came) and
+        its ``queries`` (weights of ones without)."""
+        keys = keys.astype(mx.float32)
+        if self.key_mean is not None:
+            keys = keys - self.key_mean
+        self.key_weights = query_key_weights(
+            keys, queries, start, stop, mode=self.key_scale
+        )
+
+    def __call__(self, keys, values):
+        """Keys and values as the codecs encode them."""
+        if self.key_mean is not None:
+            keys = (keys - self.key_mean).astype(keys.dtype)
+        if self.value_mean is not None:
+            values = (values - self.value_mean).astype(values.dtype)
+        if self.key_weights is not None:
+            keys = (keys * self.key_weights).astype(keys.dtype)
+        return keys, values
+
+    def arrays(self):
+        return self.key_mean, self.value_mean, self.key_weights
+
+    @property
+    def nbytes(self):
+        return sum(x.nbytes for x in self.arrays() if x is not None)
+
+    # batches: each sequence keeps its own means and weights
+
+    def take(self, indices):
+        self.key_mean, self.value_mean, self.key_weights = (
+            None if x is None else x[indices] for x in self.arrays()
+        )
+
+    @classmethod
+    def joined(cls, transforms, sizes):
+        """The transforms of sequences laid end to end (zero means, unit weights
+        for sequences that have none yet)."""
+        settings = {tuple(t.settings.items()) for t in transforms}
+        if len(settings) > 1:
+            raise ValueError(
+                f"Cannot batch caches with different transforms: {sorted(settings)}"
+            )
+        parts = list(zip(*(t.arrays() for t in transforms)))
+        return cls(
+            **transforms[0].settings,
+            key_mean=_rows(parts[0], sizes, _zeros),
+            value_mean=_rows(parts[1], sizes, _zeros),
+            key_weights=_rows(parts[2], sizes, _ones),
+        )
