@@ -13,8 +13,9 @@ before the pages, the recent ones (``recent``) after them. ``sinks`` join
 every softmax as a key with no value.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -48,7 +49,7 @@ class First(NamedTuple):
     values: mx.array
     first: object
     count: int
-    mask: Optional[mx.array] = None
+    mask: mx.array | None = None
 
 
 class Recent(NamedTuple):
@@ -61,7 +62,7 @@ class Recent(NamedTuple):
     values: mx.array
     count: int
     rotated: bool = True
-    incoming: Optional[tuple] = None
+    incoming: tuple | None = None
 
 
 @dataclass
@@ -71,21 +72,21 @@ class Call:
     queries: mx.array  # (B, n_q_heads, L, D) as the model made them
     scale: float
     mask: object  # None, "causal" or an array over the stored rows
-    sinks: Optional[mx.array]
+    sinks: mx.array | None
     key_codec: object
     value_codec: object
     key_pages: list
     value_pages: list
     length: int  # rows of the pages attended
-    first: Optional[First] = None
-    recent: Optional[Recent] = None
-    key_mean: Optional[mx.array] = None
-    value_mean: Optional[mx.array] = None
-    key_weights: Optional[mx.array] = None
+    first: First | None = None
+    recent: Recent | None = None
+    key_mean: mx.array | None = None
+    value_mean: mx.array | None = None
+    key_weights: mx.array | None = None
     # the store's: writes the incoming token into the buffer, returns ``recent``
-    land: Optional[Callable] = None
+    land: Callable | None = None
     # set by a kernel that wrote the incoming token: the new held buffers
-    held: Optional[tuple] = None
+    held: tuple | None = None
 
     @property
     def total(self) -> int:
@@ -329,6 +330,10 @@ def _float_scores(queries, keys):
     return queries @ keys.astype(mx.float32).swapaxes(-1, -2)
 
 
+def _weigh_tile(codec, tile):
+    return lambda probs: codec.weigh(probs, tile).astype(mx.float32)
+
+
 def _weigh_float(values):
     return lambda probs: probs @ values.astype(mx.float32)
 
@@ -393,7 +398,7 @@ def ops_attention(call: Call) -> mx.array:
                     *heads,
                     end,
                 ),
-                lambda probs: value_codec.weigh(probs, v_tile).astype(mx.float32),
+                _weigh_tile(value_codec, v_tile),
             )
             if L > 1 and scores.size >= tile_scores() // 64:
                 # Lazily, every tile's scores would be computed before they

@@ -12,8 +12,8 @@ Caches and codecs never import a kernel.
 
 import contextlib
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,10 @@ from .attention import First, Recent
 def check_tokens(value, name: str, multiple: int = 1) -> int:
     """A number of tokens: an int, 0 or more, a multiple of ``multiple``."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a number of tokens (an int), got {value!r}.")
+        # a setting's value: ValueError, as mlx-lm's checks raise
+        raise ValueError(  # noqa: TRY004
+            f"{name} must be a number of tokens (an int), got {value!r}."
+        )
     if value < 0 or value % multiple:
         kind = "0 or more" if multiple == 1 else f"0 or a multiple of {multiple}"
         raise ValueError(f"{name} must be {kind}, got {value}.")

@@ -40,6 +40,8 @@ from .rotation import rotate
 from .spans import Spans, check_tokens
 from .transform import Transform
 
+DEFAULT_CODEC = Affine(8)
+
 
 def _causal(N, offset, cols, left_padding=None, window=None):
     """Visibility (B or 1, 1, N, cols) of stored rows ``row(c) = c + (offset +
@@ -70,7 +72,7 @@ class KVStore:
 
     def __init__(
         self,
-        keys=Affine(8),
+        keys=DEFAULT_CODEC,
         values=None,
         *,
         center="",
@@ -302,10 +304,10 @@ class KVStore:
             size = self.key_pages[0][0].shape[2]
             del self.key_pages[0], self.value_pages[0]
             self.dropped += size
-        if self.dropped and not self.keep:
-            # a sliding window's first tokens went with their page
-            if self.dropped >= self._max_padding() + self.spans.first:
-                self.spans.drop_first()
+        # a sliding window's first tokens go with their page
+        first_end = self._max_padding() + self.spans.first
+        if self.dropped and not self.keep and self.dropped >= first_end:
+            self.spans.drop_first()
 
     def make_mask(self, N, return_array=False, window_size=None):
         window = self.window - self.keep if self.window else window_size
@@ -549,7 +551,7 @@ class BatchKVStore(KVStore):
     ``extract``, ``filter`` and ``extend`` move encoded pages without
     decoding them."""
 
-    def __init__(self, left_padding, keys=Affine(8), values=None, **settings):
+    def __init__(self, left_padding, keys=DEFAULT_CODEC, values=None, **settings):
         super().__init__(keys, values, **settings)
         self.left_padding = mx.array(left_padding)
         self.offset = mx.array([-p for p in left_padding])
