@@ -73,9 +73,13 @@ models:
 standin:
 	$(PY) -m omlx_cache.standin --out models/hub
 
+# The server's own hub cache, empty: models/hub holds the tests' random-weight stand-in, which
+# /v1/models would list.
+SERVE_HUB ?= models/serve-hub
+
 serve: $(MODEL)/config.json
-	mkdir -p models/hub
-	$(RUN)HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath models/hub) $(PY) -m mlx_lm.server --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
+	mkdir -p $(SERVE_HUB)
+	$(RUN)HF_HUB_OFFLINE=1 HF_HUB_CACHE=$(abspath $(SERVE_HUB)) $(PY) -m mlx_lm server --model $(MODEL) --host $(HOST) --port $(PORT) $(SERVE_ARGS)
 
 models/%/config.json:
 	$(MAKE) models
@@ -83,12 +87,15 @@ models/%/config.json:
 EVAL_MODEL ?= models/SmolLM2-135M-Instruct-f32
 EVAL_ARGS ?=
 BENCH_ARGS ?=
+# make eval / make bench write here (git-ignored); docs/data holds only the runs the docs cite
+EVAL_OUT ?= build/eval
+BENCH_OUT ?= build/bench
 
 eval: $(EVAL_MODEL)/config.json
-	$(RUN)$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out docs/data/eval-smollm2.json $(EVAL_ARGS)
+	$(RUN)$(PY) -m omlx_cache.eval --model $(EVAL_MODEL) --text $(TEXT) --out $(EVAL_OUT)/eval-smollm2.json $(EVAL_ARGS)
 
 bench:
-	$(RUN)$(PY) -m omlx_cache.bench --out docs/data/bench-cpu.json --plot-dir docs/data --plot-prefix bench-cpu $(BENCH_ARGS)
+	$(RUN)$(PY) -m omlx_cache.bench --out $(BENCH_OUT)/bench-cpu.json --plot-dir $(BENCH_OUT) --plot-prefix bench-cpu $(BENCH_ARGS)
 
 check-series: standin
 	scripts/series/check_series.sh $(K)

@@ -129,7 +129,8 @@ def test_reconstruction_error_near_lloyd_max(bits, norm):
 @pytest.mark.parametrize("bits,dim", itertools.product([3, 4, 5, 6], [64, 256]))
 def test_dot_norm_keeps_scores_unbiased(bits, dim):
     # 5-bit keys lower Gemma's passkey log-probability against 4-bit ones
-    # (docs/quality-levers.md, session 25): not from a biased codebook
+    # (a lab finding, in git: docs/quality-levers.md before its removal): not
+    # from a biased codebook
     mx.random.seed(bits * dim)
     keys = mx.random.normal((4096, dim))
     query = mx.random.normal((dim,))

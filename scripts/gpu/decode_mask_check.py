@@ -8,17 +8,46 @@ Llama-3-8B shape (32 q / 8 kv heads, D=128, 8,4 cache).
 
 import argparse
 import json
+import time
 from functools import partial
 
 import mlx.core as mx
 from decode_kernel_check import dequantized
-from decode_profile import N_KV, N_Q, SCALE, D, filled_caches, time_calls
 from mlx_lm.models import quantized_decode
 from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.cache import QuantizedKVCache
+
+N_Q, N_KV, D = 32, 8, 128
+SCALE = D**-0.5
+
+
+def filled_cache(bits, context, batch):
+    """One layer's quantized cache (group 64) holding ``context`` random keys
+    and values per sequence."""
+    cache = QuantizedKVCache(64, bits)
+    chunk = 4096
+    k = mx.random.normal((batch, N_KV, chunk, D)).astype(mx.float16)
+    v = mx.random.normal((batch, N_KV, chunk, D)).astype(mx.float16)
+    for start in range(0, context, chunk):
+        n = min(chunk, context - start)
+        cache.update_and_fetch(k[:, :, :n], v[:, :, :n])
+        mx.eval(cache.state)
+    return cache
+
+
+def time_calls(fn, calls=16, repeats=7):
+    """ms per call of ``fn``, best of ``repeats`` batches of ``calls``."""
+    mx.eval(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        tic = time.perf_counter()
+        mx.eval([fn() for _ in range(calls)])
+        best = min(best, (time.perf_counter() - tic) / calls)
+    return best * 1e3
 
 
 def check(context, batch, padding_step):
-    cache = filled_caches("8,4", context, layers=1, batch=batch)[0]
+    cache = filled_cache((8, 4), context, batch)
     cache.decode_buffer = 0  # the decode token quantized, as the reference reads it
     zeros = mx.zeros((batch, N_KV, 1, D), mx.float16)
     keys, values = cache.update_and_fetch(zeros, zeros)

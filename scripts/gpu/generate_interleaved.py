@@ -12,18 +12,18 @@ turn's median against the first scheme's in the same round (and a 95%
 interval of that ratio from the rounds: the order statistics a sign test
 gives). Scheme names as ``generate_speed.py`` (``4``, ``8,4``, ``codebook-3``,
 ``/h0``, ``/r0``, ...), plus ``/fill``: the cache filled with random normal
-keys and values instead of a prefill through the model (as
-``codebook_step_profile.py`` fills them), then one prompt token;
+keys and values instead of a prefill through the model, then one prompt token;
 ``/halfprefill``: a codebook cache's prefill attending in the model's dtype
 where it would take float32 (``codebook_kernel.prefill_in``); and
 ``name@span``: the decode kernels' keys per block fixed at ``span`` (128 or
-more) during that scheme's turns (``codebook_step_profile.decode_span``).
+more) during that scheme's turns (``decode_span``).
 
     python3 scripts/gpu/generate_interleaved.py --context 131072 \\
         --schemes 4 codebook-3 --out $OUT/interleaved.json
 """
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
@@ -31,13 +31,38 @@ import statistics
 import time
 
 import mlx.core as mx
-from codebook_step_profile import decode_span, split_span
 from generate_speed import generation, make_cache, parse
 from mlx_lm.generate import reserve_quantized_cache
+from mlx_lm.models import quantized_decode
 
 from omlx_cache import bench, codebook_kernel
 
 SKIPPED = 2  # steps of a turn not counted
+
+
+def split_span(name):
+    """(the scheme, keys per block or 0) of ``name@span``: a span is a number
+    of at least 128 after the last ``@`` (the ``@`` of a ``+kB@L`` layer
+    list is the scheme's)."""
+    base, sep, span = name.rpartition("@")
+    if sep and span.isdigit() and int(span) >= 128:
+        return base, int(span)
+    return name, 0
+
+
+@contextlib.contextmanager
+def decode_span(span):
+    """Keys per block of the decode kernels (patch 0011's launch layout,
+    which the codebook kernel shares) fixed at ``span`` (0: as they choose)."""
+    chosen = quantized_decode._decode_span
+    if span:
+        quantized_decode._decode_span = lambda length, n_rows: span
+    quantized_decode._meta_tables.clear()
+    try:
+        yield
+    finally:
+        quantized_decode._decode_span = chosen
+        quantized_decode._meta_tables.clear()
 
 
 def split_name(name):

@@ -24,10 +24,10 @@ import statistics
 import time
 
 import mlx.core as mx
-from codebook_step_profile import decode_span
 from generate_interleaved import (
     SKIPPED,
     checked_model,
+    decode_span,
     split_name,
     start,
     turn_arguments,

@@ -42,7 +42,7 @@ def start(model, hub, *flags):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
     if OPENBLAS.exists():
         env["LD_PRELOAD"] = str(OPENBLAS)
-    command = [sys.executable, "-m", "mlx_lm.server", "--model", model]
+    command = [sys.executable, "-m", "mlx_lm", "server", "--model", model]
     proc = subprocess.Popen(
         [*command, "--host", "127.0.0.1", "--port", str(port), *flags],
         env=env,
