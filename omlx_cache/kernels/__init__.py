@@ -1,2 +1,178 @@
-"""Backend kernels for ``omlx_cache.kv``: each module registers itself with
-``omlx_cache.kv.kernels`` when imported (here)."""
+"""Backend kernels for ``omlx_cache.kv``, registered here, in one place.
+
+- ``affine-decode`` / ``affine-prefill``: CUDA attention over the pages of
+  two ``Affine`` codecs (``affine_decode``, ``affine_prefill``).
+- ``codebook`` / ``codebook-encode``: CUDA attention and encoding for
+  ``Codebook`` codecs (``codebook``).
+
+Each entry's ``applies(call)`` says whether it takes an attention call
+(``kv.attention.Call``); ``run(call)`` returns the output, or None to leave
+the call to the next entry and finally to the MLX-ops loop. A kernel that
+attends held decode tokens says how many a store should hold (``hold``).
+Imported by ``omlx_cache.kv.kernels`` at the first use.
+"""
+
+import mlx.core as mx
+
+from ..kv.codecs import Affine
+from ..kv.kernels import Hold, Kernel, register_attention, register_encoder
+from . import affine_decode, affine_prefill
+from . import codebook as codebook_kernel
+
+
+def _affine(call) -> bool:
+    """Whether a call's codecs are both affine and nothing bars the kernels:
+    sinks, or first tokens whose visibility the mask does not give."""
+    return (
+        isinstance(call.key_codec, Affine)
+        and isinstance(call.value_codec, Affine)
+        and call.sinks is None
+        and (call.first is None or call.first.mask is None)
+        and (call.recent is None or call.recent.rotated)
+    )
+
+
+def _first(call):
+    return None if call.first is None else tuple(call.first[:4])
+
+
+def _held(call):
+    recent = call.recent
+    return None if recent is None else (recent.keys, recent.values, recent.count)
+
+
+def _quantization(call):
+    k, v = call.key_codec, call.value_codec
+    return k.group_size, k.bits, v.group_size, v.bits
+
+
+def _decode_applies(call) -> bool:
+    if not _affine(call) or call.queries.shape[2] != 1:
+        return False
+    return affine_decode.applies(
+        call.queries,
+        call.mask,
+        call.key_pages,
+        call.value_pages,
+        call.key_codec.bits,
+        call.value_codec.bits,
+        call.total,
+    )
+
+
+def _decode(call):
+    held, mask = _held(call), call.mask
+    if call.first is not None:
+        B = call.queries.shape[0]
+        held, mask = affine_decode.first_as_held(
+            _first(call), held, mask, call.length, B
+        )
+    out = affine_decode.quantized_decode_attention(
+        call.rotated_queries(),
+        call.key_pages,
+        call.value_pages,
+        call.scale,
+        call.length,
+        *_quantization(call),
+        mask=mask,
+        held=held,
+    )
+    return call.finish(out)
+
+
+def _affine_hold(keys, values, key_codec, value_codec):
+    if not (isinstance(key_codec, Affine) and isinstance(value_codec, Affine)):
+        return None
+    if not affine_decode.takes_held_tokens(
+        keys, values, key_codec.bits, value_codec.bits
+    ):
+        return None
+    return Hold(32, rotated=True)
+
+
+def _prefill_path(call):
+    """The prefill kernel that takes this call, or None."""
+    if not _affine(call) or call.queries.shape[2] == 1:
+        return None
+    args = (call.queries, call.mask, call.key_pages, call.value_pages)
+    bits = (call.key_codec.bits, call.value_codec.bits)
+    if affine_prefill.decodes(*args, bits[1], call.length, _first(call), _held(call)):
+        return affine_prefill.decoded_attention
+    if (
+        call.first is None
+        and call.recent is None
+        and affine_prefill.applies(*args, *bits, call.length)
+    ):
+        return affine_prefill.quantized_prefill_attention
+    return None
+
+
+def _prefill(call):
+    prefill = _prefill_path(call)
+    extra = {}
+    if prefill is affine_prefill.decoded_attention:
+        extra = {"exact": _first(call), "held": _held(call)}
+    out = prefill(
+        call.rotated_queries(),
+        call.key_pages,
+        call.value_pages,
+        call.scale,
+        call.length,
+        *_quantization(call),
+        mask=call.mask,
+        **extra,
+    )
+    # A prefill chunk's layers are evaluated one by one, as the MLX-ops
+    # loop's tiles are: a whole chunk's graph keeps many layers'
+    # intermediates alive at once (gigabytes at 8B shapes).
+    mx.eval(out)
+    return call.finish(out)
+
+
+def _codebook_applies(call) -> bool:
+    return call.key_pages and (call.first is None or call.first.mask is None)
+
+
+def _codebook(call):
+    decode = call.queries.shape[2] == 1
+    recent = call.recent
+    held = None
+    if recent is not None:
+        held = (recent.keys, recent.values, recent.count, recent.incoming)
+    result = codebook_kernel.attention(
+        call.queries if decode else call.weighted_queries(),
+        call.key_pages,
+        call.value_pages,
+        call.key_codec,
+        call.value_codec,
+        call.scale,
+        call.mask,
+        call.sinks,
+        call.length,
+        held,
+        _first(call),
+        (call.key_mean, call.value_mean, call.key_weights),
+    )
+    if result is None:
+        return None
+    out, buffers = result
+    if buffers is not None:
+        call.held = buffers
+    # the decode kernel weighs the queries and adds the value mean itself
+    return out if decode else call.uncenter(out)
+
+
+def _codebook_hold(keys, values, key_codec, value_codec):
+    if not codebook_kernel.holds(keys, values, key_codec, value_codec):
+        return None
+    return Hold(32, rotated=False, incoming=True)
+
+
+register_attention(Kernel("affine-decode", _decode_applies, _decode, _affine_hold))
+register_attention(
+    Kernel("affine-prefill", lambda call: _prefill_path(call) is not None, _prefill)
+)
+register_attention(Kernel("codebook", _codebook_applies, _codebook, _codebook_hold))
+register_encoder(
+    Kernel("codebook-encode", codebook_kernel.encodes, codebook_kernel.encode)
+)
