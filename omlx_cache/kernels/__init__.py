@@ -24,7 +24,8 @@ def _affine(call) -> bool:
     """Whether a call's codecs are both affine and nothing bars the kernels:
     sinks, or first tokens whose visibility the mask does not give."""
     return (
-        isinstance(call.key_codec, Affine)
+        bool(call.key_pages)
+        and isinstance(call.key_codec, Affine)
         and isinstance(call.value_codec, Affine)
         and call.sinks is None
         and (call.first is None or call.first.mask is None)
@@ -130,7 +131,7 @@ def _prefill(call):
 
 
 def _codebook_applies(call) -> bool:
-    return call.key_pages and (call.first is None or call.first.mask is None)
+    return bool(call.key_pages) and (call.first is None or call.first.mask is None)
 
 
 def _codebook(call):

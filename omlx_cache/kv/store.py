@@ -594,8 +594,8 @@ class BatchKVStore(KVStore):
         if self._right_padding is None:
             return
         self._flush()
-        if self.window is not None and self.dropped:
-            raise ValueError("A bounded batch store cannot take right padding.")
+        # the rows the roll brings to the front are older than any a window
+        # still sees
         shift = self._right_padding[:, None]
         keys, values = (_joined(p) for p in (self.key_pages, self.value_pages))
         self.key_pages = [tuple(_roll(x, shift) for x in keys)]
@@ -657,20 +657,26 @@ class BatchKVStore(KVStore):
         self._written -= shared
         self.left_padding = self.left_padding - shared
 
-    def _rows(self, idx, size, like):
-        """Key and value tuples of ``size`` rows, this store's rows ending at
-        row ``idx`` (zeros shaped like ``like`` when it is empty)."""
+    def _justified(self, idx, start, like):
+        """Key and value tuples of rows ``start`` to ``idx`` with this store's
+        rows right-justified at ``idx`` (zeros where it has none, shaped like
+        ``like``)."""
         B = self.offset.shape[0]
+        size = idx - start
         if self._written == self.dropped:
             return tuple(
                 tuple(mx.zeros((B, x.shape[1], size, x.shape[3]), x.dtype) for x in t)
                 for t in like
             )
-        left = idx - self._written
+        left = self.dropped + idx - self._written - start
         return tuple(
             tuple(_padded(x, left, size) for x in stored)
             for stored in self.keys_and_values()
         )
+
+    def _start_at(self, idx) -> int:
+        """The first row this store holds once right-justified at ``idx``."""
+        return self.dropped + idx - self._written
 
     def extend(self, other):
         """Append the sequences of ``other`` (a store of the same settings)."""
@@ -678,22 +684,18 @@ class BatchKVStore(KVStore):
         for c in (self, other):
             c._flush()
             c._release_all()
-            if c.dropped:
-                raise ValueError(
-                    "Bounded batch stores that dropped pages do not extend."
-                )
         sizes = [c.offset.shape[0] for c in (self, other)]
         self.transform = Transform.joined([self.transform, other.transform], sizes)
         first = _joined_first([self, other], sizes)
+        self.spans.first_keys, self.spans.first_values = first
         if self.empty() and other.empty():
             self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
             self.offset = mx.concatenate([self.offset, other.offset])
-            self.spans.first_keys, self.spans.first_values = first
             return
         idx = max(self._written, other._written)
-        size = max(self.capacity, other.capacity, idx)
+        start = min(c._start_at(idx) for c in (self, other) if c._written)
         like = (other if self._written == 0 else self).keys_and_values()
-        (k1, v1), (k2, v2) = (c._rows(idx, size, like) for c in (self, other))
+        (k1, v1), (k2, v2) = (c._justified(idx, start, like) for c in (self, other))
         self.key_pages = [tuple(mx.concatenate(x, axis=0) for x in zip(k1, k2))]
         self.value_pages = [tuple(mx.concatenate(x, axis=0) for x in zip(v1, v2))]
         self.left_padding = mx.concatenate(
@@ -701,7 +703,7 @@ class BatchKVStore(KVStore):
         )
         self.offset = mx.concatenate([self.offset, other.offset])
         self._idx = self._written = idx
-        self.spans.first_keys, self.spans.first_values = first
+        self.dropped = start
 
     def extract(self, idx):
         """Sequence ``idx`` as a ``KVStore`` (a copy, its padding dropped)."""
@@ -748,8 +750,6 @@ class BatchKVStore(KVStore):
         for c in caches:
             c._flush()
             c._release_all()
-            if c.dropped:
-                raise ValueError("Bounded stores that dropped pages do not batch.")
         lengths = [c._written for c in caches]
         longest = max(lengths)
         padding = [longest - n for n in lengths]
@@ -763,19 +763,26 @@ class BatchKVStore(KVStore):
         batch._idx = batch._written = longest
         if longest == 0:
             return batch
+        # rows a store dropped are out of every window: the batch drops the
+        # rows none of its sequences holds
+        starts = [c.dropped + p for c, p in zip(caches, padding)]
+        batch.dropped = min(s for s, c in zip(starts, caches) if c._written)
         stored = [c.keys_and_values() if c._written else None for c in caches]
         like = next(s for s in stored if s is not None)
         merged = tuple(
             tuple(
-                mx.zeros((len(caches), x.shape[1], longest, x.shape[3]), x.dtype)
+                mx.zeros(
+                    (len(caches), x.shape[1], longest - batch.dropped, x.shape[3]),
+                    x.dtype,
+                )
                 for x in part
             )
             for part in like
         )
-        for i, (p, s) in enumerate(zip(padding, stored)):
+        for i, (start, s) in enumerate(zip(starts, stored)):
             for rows, part in zip(merged, s or ()):
                 for dst, x in zip(rows, part):
-                    dst[i : i + 1, :, p:] = x
+                    dst[i : i + 1, :, start - batch.dropped :] = x
         batch.key_pages, batch.value_pages = [merged[0]], [merged[1]]
         return batch
 
