@@ -1,0 +1,409 @@
+"""The scheme language: one typed spec for the CLI, the server, the eval and
+the benchmarks, its parser and printer, the footprint, and the caches it
+makes for a model.
+
+A scheme is ``fp16`` (the model's own caches), a preset name, or items
+``name=value`` separated by spaces (a preset may come first and the items
+after it change it)::
+
+    bits=4                       affine 4-bit keys and values (rotated, first 16 kept)
+    bits=8,4 group=64,32         keys 8-bit in groups of 64, values 4-bit in groups of 32
+    bits=4 rotate=none first=0   mlx-lm's plain affine 4-bit
+    cq4 first=16                 a preset, changed
+
+The items (``K,V``: keys and values apart; one value: both):
+
+- ``codec=affine|codebook`` (K,V): mlx's affine quantization or a Lloyd-Max
+  codebook on rotated vectors (``codecs``); default affine.
+- ``bits=B`` (K,V): 2-8 (affine), 1-6 (codebook); 16 stores that part
+  unquantized.
+- ``group=G`` (K,V): affine group size, 32, 64 or 128; default 64.
+- ``rotate=kv|k|v|none``: Hadamard rotation before quantizing. Default: kv
+  when a part has fewer than 8 bits, else none (codebooks always rotate).
+- ``center=k|kv|none``, ``qscale=qk|q|none``: the transform (``transform``);
+  default none.
+- ``first=N``: each sequence's first N tokens also kept unquantized. Default:
+  16 when a part has fewer than 8 bits, else 0.
+- ``recent=R``: the last R to 2R - 1 tokens held unquantized (a multiple of 8).
+- ``debias=X``: codebook keys' score correction, X times the expected one.
+- ``more=kB|vB|kvB`` with ``layers=L,L,...`` or ``fit=X``: those layers'
+  keys (values, both) at B bits: the listed layers, or the layers a model's
+  fitted profile ranks first within X bits per element (``fit``).
+"""
+
+from dataclasses import dataclass, field, replace
+
+import mlx.core as mx
+
+from .codecs import SCALE_BITS, Affine, Codebook, Plain
+from .spans import check_tokens
+from .store import KVStore
+from .transform import CENTERS, KEY_SCALES
+
+PRESETS = {
+    # 4.6 bits: 4-bit codebook keys and values, keys centered and weighted by
+    # the queries, the first 8 tokens kept, 5-bit keys in the layers a model's
+    # profile ranks first within 4.6 bits per element
+    "cq4": "codec=codebook bits=4 center=k qscale=qk first=8 more=k5 fit=4.6",
+    # 4.57 bits: affine 4-bit, rotated, keys centered and weighted, 16 kept
+    "q4-recall": "bits=4 center=k qscale=qk first=16",
+    # 4.6 bits: 4-bit keys and 3-bit values in groups of 32, a 72-token residual
+    "q4": "bits=4,3 group=64,32 center=k qscale=qk first=8 recent=72",
+}
+ROTATES = {
+    "kv": (True, True),
+    "k": (True, False),
+    "v": (False, True),
+    "none": (False, False),
+}
+CODECS = ("affine", "codebook")
+# the context at which ``bits_per_element`` is given by default
+AVERAGE_CONTEXT = 4096
+
+
+def _pair(text: str, name: str, cast=int):
+    parts = text.split(",")
+    if len(parts) not in (1, 2) or not all(parts):
+        raise ValueError(f"{name}={text!r}: expected one value or two (K,V).")
+    try:
+        values = tuple(cast(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: not a number.") from None
+    return values if len(values) == 2 else values * 2
+
+
+def _choice(text: str, name: str, choices) -> str:
+    if text not in choices:
+        raise ValueError(f"{name}={text!r}: one of {', '.join(choices)}.")
+    return text
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What a scheme stores. ``bits`` None: the model's own (fp16) caches."""
+
+    bits: tuple | None = None
+    codec: tuple = ("affine", "affine")
+    group: tuple = (64, 64)
+    rotate: str | None = None  # None: the default for the bits
+    center: str = ""
+    key_scale: str = ""
+    first: int | None = None  # None: the default for the bits
+    recent: int = 0
+    debias: float = 0.0
+    more: str = ""  # "k5", "v4", "kv8"
+    layers: tuple = ()
+    fit: float | None = None
+    name: str = field(default="", compare=False)
+
+    # ------------------------------------------------------------------
+    # text
+
+    @classmethod
+    def parse(cls, text: str) -> "KVSpec":
+        """The spec of a scheme string (ValueError naming the bad item)."""
+        text = " ".join(text.split())
+        items = text.split(" ") if text else []
+        if not items or items == ["fp16"]:
+            return cls(name="fp16")
+        base = {}
+        if items[0] in PRESETS:
+            base = _items(PRESETS[items[0]].split(" "))
+            items = items[1:]
+        spec = cls(**{**base, **_items(items)}, name=text)
+        spec.check()
+        return spec
+
+    @property
+    def text(self) -> str:
+        """The spec as items (``parse(spec.text) == spec``)."""
+        if self.bits is None:
+            return "fp16"
+
+        def pair(values):
+            a, b = values
+            return str(a) if a == b else f"{a},{b}"
+
+        items = []
+        if self.codec != ("affine", "affine"):
+            items.append(f"codec={pair(self.codec)}")
+        items.append(f"bits={pair(self.bits)}")
+        if self.group != (64, 64):
+            items.append(f"group={pair(self.group)}")
+        if self.rotate is not None:
+            items.append(f"rotate={self.rotate}")
+        if self.center:
+            items.append(f"center={self.center}")
+        if self.key_scale:
+            items.append(f"qscale={self.key_scale}")
+        if self.first is not None:
+            items.append(f"first={self.first}")
+        if self.recent:
+            items.append(f"recent={self.recent}")
+        if self.debias:
+            items.append(f"debias={self.debias:g}")
+        if self.more:
+            items.append(f"more={self.more}")
+            if self.layers:
+                items.append(f"layers={','.join(map(str, self.layers))}")
+            if self.fit is not None:
+                items.append(f"fit={self.fit:g}")
+        return " ".join(items)
+
+    def __str__(self):
+        return self.name or self.text
+
+    @property
+    def is_reference(self) -> bool:
+        return self.bits is None
+
+    def check(self):
+        """ValueError naming what does not hold."""
+        if self.bits is None:
+            return
+        self.codecs()
+        if self.more:
+            self.more_codecs()
+            if not self.layers and self.fit is None:
+                raise ValueError("more= needs layers= or fit=.")
+            if self.layers and self.fit is not None:
+                raise ValueError("layers= and fit= exclude each other.")
+        elif self.layers or self.fit is not None:
+            raise ValueError("layers= and fit= need more= (what those layers get).")
+
+    # ------------------------------------------------------------------
+    # codecs and settings
+
+    @property
+    def rotation(self) -> tuple:
+        """(keys, values) rotated?"""
+        if self.rotate is not None:
+            return ROTATES[self.rotate]
+        low = min(self.bits) < 8
+        return (low, low)
+
+    @property
+    def first_tokens(self) -> int:
+        if self.first is not None:
+            return self.first
+        return 16 if min(self.bits) < 8 and "codebook" not in self.codec else 0
+
+    def _codec(self, i: int, bits: int):
+        if bits == 16:
+            return Plain()
+        rotation = "hadamard" if self.rotation[i] else "none"
+        if self.codec[i] == "codebook":
+            debias = self.debias if i == 0 else 0.0
+            if self.rotate is None:
+                rotation = "hadamard"
+            return Codebook(bits, rotation, debias=debias or False)
+        return Affine(bits, self.group[i], rotation)
+
+    def codecs(self, bits=None):
+        """The (key, value) codecs."""
+        bits = bits or self.bits
+        return self._codec(0, bits[0]), self._codec(1, bits[1])
+
+    def more_codecs(self):
+        """The (key, value) codecs of the layers ``more`` names."""
+        part = self.more.rstrip("0123456789")
+        if part not in ("k", "v", "kv") or part == self.more:
+            raise ValueError(f"more={self.more!r}: kB, vB or kvB (e.g. k5).")
+        b = int(self.more[len(part) :])
+        bits = (b if "k" in part else self.bits[0], b if "v" in part else self.bits[1])
+        return self.codecs(bits)
+
+    def settings(self) -> dict:
+        """What every layer's store takes besides its codecs."""
+        return {
+            "center": self.center,
+            "key_scale": self.key_scale,
+            "first": self.first_tokens,
+            "recent": self.recent,
+        }
+
+    # ------------------------------------------------------------------
+    # caches
+
+    def with_layers(self, layers) -> "KVSpec":
+        """The spec with ``fit`` resolved to ``layers``."""
+        return replace(self, layers=tuple(sorted(layers)), fit=None)
+
+    def make_cache(self, model, max_kv_size=None) -> list:
+        """One cache per layer: the model's own caches quantized as this spec
+        says (a sliding-window layer, or every layer with ``max_kv_size``,
+        gets a bounded store), or the model's own for ``fp16``. Layers whose
+        cache has no quantized form keep it."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+
+        caches = make_prompt_cache(model, max_kv_size)
+        if self.bits is None:
+            return caches
+        if self.fit is not None:
+            raise ValueError(
+                f"{self}: fit={self.fit:g} needs the model's fitted layers "
+                "(omlx_cache.kv.fit.resolve)."
+            )
+        if self.layers and self.layers[-1] >= len(caches):
+            raise ValueError(
+                f"{self}: layer {self.layers[-1]} of a model with {len(caches)} layers."
+            )
+        out = []
+        for i, c in enumerate(caches):
+            codecs = self.more_codecs() if i in self.layers else self.codecs()
+            if type(c) is KVCache:
+                out.append(KVStore(*codecs, **self.settings()))
+            elif type(c) is RotatingKVCache:
+                settings = dict(self.settings(), recent=0)
+                out.append(KVStore(*codecs, **settings, window=c.max_size, keep=c.keep))
+            else:
+                out.append(c)
+        return out
+
+    # ------------------------------------------------------------------
+    # the footprint
+
+    def layer_bytes(self, shape, tokens: int, layer: int = 0) -> float:
+        """Bytes one layer of ``shape`` (``LayerShape``) holds for a sequence
+        of ``tokens`` tokens: pages (scales and norms included), the first
+        tokens also kept, the recent ones held unquantized (on average over
+        a residual's cycle), and the transform's float32 vectors."""
+        heads, dims = shape.kv_heads, (shape.key_dim, shape.value_dim)
+        if shape.window is not None:
+            tokens = min(tokens, shape.window)
+        if self.bits is None:
+            return tokens * heads * sum(dims) * SCALE_BITS / 8
+        codecs = self.more_codecs() if layer in self.layers else self.codecs()
+        held = _mean_held(self.recent if shape.window is None else 0, tokens)
+        first = min(self.first_tokens, tokens - held)
+        if shape.window is not None:
+            first = max(first, shape.keep)
+        bits = 0.0
+        for c, dim in zip(codecs, dims):
+            bits += (
+                (tokens - held) * c.bits_per_element(dim) + (held + first) * SCALE_BITS
+            ) * dim
+        vectors = (self.center != "") + (self.center == "kv") + (self.key_scale != "")
+        return heads * (bits / 8 + vectors * 4 * dims[0])
+
+    def footprint(self, shapes, context: int) -> dict:
+        """What ``shapes`` (one per layer) hold for ``context`` tokens: bytes,
+        bytes per token and (key, value) bits per element."""
+        total = sum(self.layer_bytes(s, context, i) for i, s in enumerate(shapes))
+        elements = sum(
+            min(context, s.window or context) * s.kv_heads * (s.key_dim + s.value_dim)
+            for s in shapes
+        )
+        return {
+            "bytes": total,
+            "bytes_per_token": total / context,
+            "bits_per_element": 8 * total / elements,
+        }
+
+
+def _items(items) -> dict:
+    """Spec fields from ``name=value`` items."""
+    fields = {}
+    for item in items:
+        name, eq, value = item.partition("=")
+        if not eq or not value:
+            raise ValueError(f"{item!r}: expected name=value (known: {ITEMS}).")
+        if name not in _PARSERS:
+            raise ValueError(f"Unknown scheme item {name!r} (known: {ITEMS}).")
+        key, parsed = _PARSERS[name](value)
+        fields[key] = parsed
+    return fields
+
+
+def _tokens(name, multiple=1):
+    def parse(value):
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{name}={value!r}: a number of tokens.") from None
+        return name, check_tokens(n, name, multiple)
+
+    return parse
+
+
+def _number(value, name):
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: a number.") from None
+
+
+def _choices(value, name, choices):
+    return "" if value == "none" else _choice(value, name, (*choices, "none"))
+
+
+_PARSERS = {
+    "codec": lambda v: (
+        "codec",
+        tuple(_choice(p, "codec", CODECS) for p in _pair(v, "codec", str)),
+    ),
+    "bits": lambda v: ("bits", _pair(v, "bits")),
+    "group": lambda v: ("group", _pair(v, "group")),
+    "rotate": lambda v: ("rotate", _choice(v, "rotate", tuple(ROTATES))),
+    "center": lambda v: ("center", _choices(v, "center", CENTERS)),
+    "qscale": lambda v: ("key_scale", _choices(v, "qscale", KEY_SCALES)),
+    "first": _tokens("first"),
+    "recent": _tokens("recent", 8),
+    "debias": lambda v: ("debias", _number(v, "debias")),
+    "more": lambda v: ("more", v),
+    "layers": lambda v: ("layers", _layers(v)),
+    "fit": lambda v: ("fit", _number(v, "fit")),
+}
+ITEMS = ", ".join(_PARSERS)
+
+
+def _layers(value):
+    try:
+        return tuple(sorted({int(x) for x in value.split(",")}))
+    except ValueError:
+        raise ValueError(f"layers={value!r}: layer numbers, e.g. layers=4,8.") from None
+
+
+def _mean_held(residual: int, tokens: int) -> float:
+    """Tokens a residual of ``residual`` holds unquantized after ``tokens``,
+    averaged over a quantization cycle once it has begun (``residual`` to
+    ``2 * residual - 1``)."""
+    if not residual:
+        return 0
+    if tokens < 2 * residual:
+        return tokens
+    return (3 * residual - 1) / 2
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+    window: int | None = None  # a bounded layer's tokens at most
+    keep: int = 0
+
+
+def layer_shapes(model, max_kv_size=None) -> list:
+    """Each layer's KV heads, head dims and window, read off the model's own
+    caches after one token."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    caches = make_prompt_cache(model, max_kv_size)
+    mx.eval(model(mx.array([[0]]), cache=caches))
+    shapes = []
+    for c in caches:
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if not isinstance(keys, mx.array) or keys.ndim != 4:
+            shapes.append(None)  # a cache with no quantized form
+            continue
+        window = getattr(c, "max_size", None)
+        keep = getattr(c, "keep", 0)
+        shapes.append(
+            LayerShape(keys.shape[1], keys.shape[-1], values.shape[-1], window, keep)
+        )
+    return shapes
+
+
+def preset_help() -> str:
+    return "; ".join(f"{name}: {text}" for name, text in PRESETS.items())
