@@ -9,6 +9,7 @@ after it change it)::
     bits=4                       affine 4-bit keys and values (rotated, first 16 kept)
     bits=8,4 group=64,32         keys 8-bit in groups of 64, values 4-bit in groups of 32
     bits=4 rotate=none first=0   mlx-lm's plain affine 4-bit
+    8,4                          a lone number (pair) is bits=
     cq4 first=16                 a preset, changed
 
 The items (``K,V``: keys and values apart; one value: both):
@@ -289,10 +290,12 @@ class KVSpec:
     def footprint(self, shapes, context: int) -> dict:
         """What ``shapes`` (one per layer) hold for ``context`` tokens: bytes,
         bytes per token and (key, value) bits per element."""
-        total = sum(self.layer_bytes(s, context, i) for i, s in enumerate(shapes))
+        # layers whose caches have no quantized form (None) are left out
+        total = sum(self.layer_bytes(s, context, i) for i, s in enumerate(shapes) if s)
         elements = sum(
             min(context, s.window or context) * s.kv_heads * (s.key_dim + s.value_dim)
             for s in shapes
+            if s
         )
         return {
             "bytes": total,
@@ -305,6 +308,8 @@ def _items(items) -> dict:
     """Spec fields from ``name=value`` items."""
     fields = {}
     for item in items:
+        if item.replace(",", "").isdigit():
+            item = f"bits={item}"  # 4, 8,4: as --kv-bits takes them
         name, eq, value = item.partition("=")
         if not eq or not value:
             raise ValueError(f"{item!r}: expected name=value (known: {ITEMS}).")
