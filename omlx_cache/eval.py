@@ -29,7 +29,7 @@ import platform
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -38,18 +38,22 @@ from random import Random
 import mlx.core as mx
 import numpy as np
 from mlx import nn
-from mlx.utils import tree_flatten
 
-from . import __version__
-from . import schemes as kv_schemes
+from . import __version__, fit
+from .kv.spec import AVERAGE_CONTEXT, KVSpec, layer_shapes, preset_help
+from .measure import (  # noqa: F401 (the eval's own API too)
+    Progress,
+    format_seconds,
+    model_dtype,
+    token_stats,
+    window_logprobs,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = REPO_ROOT / "models" / "SmolLM2-135M-Instruct-f32"
 DEFAULT_TEXT = REPO_ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 DEFAULT_SCHEMES = ("fp16", "8", "8,4", "4")
 REFERENCE = "fp16"
-# the context at which bits per element are averaged (schemes.average_bits)
-AVERAGE_CONTEXT = 4096
 Z95 = 1.959963984540054
 
 
@@ -110,161 +114,52 @@ def make_windows(
 # One window through one cache
 
 
-def window_logprobs(
-    model: nn.Module,
-    tokens: mx.array,
-    cache: list,
-    chunk: int,
-    on_chunk: Callable[[], None] | None = None,
-) -> mx.array:
-    """Float32 log-probabilities of the next token at each position but the
-    last, shape (len(tokens) - 1, vocab), feeding ``tokens`` through ``cache``
-    ``chunk`` tokens at a time."""
-    inputs = tokens[:-1]
-    parts = []
-    for start in range(0, inputs.size, chunk):
-        logits = model(inputs[None, start : start + chunk], cache=cache)[0]
-        logits = logits.astype(mx.float32)
-        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-        mx.eval(logprobs)
-        parts.append(logprobs)
-        if on_chunk is not None:
-            on_chunk()
-    return mx.concatenate(parts, axis=0)
-
-
-def token_stats(logprobs: mx.array, targets: mx.array, reference: mx.array):
-    """Per-token NLL of ``targets``, KL(reference || logprobs) and whether the
-    argmax agrees with the reference's, as numpy arrays."""
-    nll = -mx.take_along_axis(logprobs, targets[:, None], axis=-1)[:, 0]
-    kld = mx.sum(mx.exp(reference) * (reference - logprobs), axis=-1)
-    top1 = mx.argmax(reference, axis=-1) == mx.argmax(logprobs, axis=-1)
-    mx.eval(nll, kld, top1)
-    return np.array(nll), np.array(kld), np.array(top1)
-
-
-def stored_kv(layer_cache):
-    """The keys and values one layer's cache holds for its tokens, without the
-    rows it allocated ahead; unquantized copies of its first tokens
-    (``keep_exact``) included."""
-    if hasattr(layer_cache, "keys_and_values"):
-        keys, values = layer_cache.keys_and_values()
-    else:
-        # KVCache's state is sliced to its offset
-        keys, values = layer_cache.state[:2]
-    exact_keys = getattr(layer_cache, "exact_keys", None)
-    if exact_keys is not None:
-        keys, values = (keys, exact_keys), (values, layer_cache.exact_values)
-    return keys, values
-
-
-def tree_nbytes(tree) -> int:
-    return sum(x.nbytes for _, x in tree_flatten(tree))
-
-
-def tree_size(tree) -> int:
-    return sum(x.size for _, x in tree_flatten(tree))
-
-
-@dataclass
-class Footprint:
-    """What a cache held at the end of a window, over all layers."""
-
-    tokens: int
-    key_bytes: int
-    value_bytes: int
-    # elements of K and V (meaningful for plain caches only)
-    key_elements: int
-    value_elements: int
-    # bytes allocated, including rows allocated ahead of the offset
-    allocated_bytes: int
-
-
-def cache_footprint(cache: list) -> Footprint:
-    key_bytes = value_bytes = key_elements = value_elements = 0
-    for layer_cache in cache:
-        keys, values = stored_kv(layer_cache)
-        key_bytes += tree_nbytes(keys)
-        value_bytes += tree_nbytes(values)
-        key_elements += tree_size(keys)
-        value_elements += tree_size(values)
-    return Footprint(
-        tokens=cache[0].offset,
-        key_bytes=key_bytes,
-        value_bytes=value_bytes,
-        key_elements=key_elements,
-        value_elements=value_elements,
-        allocated_bytes=sum(c.nbytes for c in cache),
-    )
-
-
 # ---------------------------------------------------------------------------
 # All windows through all schemes
 
 
+@dataclass(frozen=True)
+class Scheme:
+    """A scheme as a run uses it: its spec (fitted to the model) and the
+    bounded context every layer gets, if any (``--max-kv-size``)."""
+
+    spec: KVSpec
+    max_kv_size: int | None = None
+
+    @property
+    def name(self) -> str:
+        bound = f" @ max-kv-size {self.max_kv_size}" if self.max_kv_size else ""
+        return f"{self.spec}{bound}"
+
+    @property
+    def is_reference(self) -> bool:
+        return self.spec.is_reference
+
+    def make_cache(self, model) -> list:
+        return self.spec.make_cache(model, self.max_kv_size)
+
+
 @dataclass
 class SchemeRun:
-    scheme: kv_schemes.Scheme
+    scheme: Scheme
     nll: list[np.ndarray] = field(default_factory=list)
     kld: list[np.ndarray] = field(default_factory=list)
     top1: list[np.ndarray] = field(default_factory=list)
     seconds: float = 0.0
-    footprint: Footprint | None = None
-    # (key, value) bits per element, everything counted, at each context
-    average_bits: dict = field(default_factory=dict)
-    # each layer's (key, value) bits per element (layers fitted per model too)
-    layer_bits: list = field(default_factory=list)
+    # bytes the caches had allocated at the end of a window
+    allocated_bytes: int = 0
 
-    def add(self, stats, seconds: float, footprint: Footprint):
+    def add(self, stats, seconds: float, allocated_bytes: int):
         for values, x in zip((self.nll, self.kld, self.top1), stats):
             values.append(x)
         self.seconds += seconds
-        self.footprint = footprint
-
-
-class Progress:
-    """A plain-text progress bar on stderr, redrawn in place with ``\\r``."""
-
-    def __init__(self, total: int, stream=None, width: int = 24):
-        self.total = total
-        self.done = 0
-        self.stream = stream or sys.stderr
-        self.width = width
-        self.start = time.perf_counter()
-        self.label = ""
-        self.last_len = 0
-
-    def step(self):
-        self.done += 1
-        self.draw()
-
-    def draw(self):
-        elapsed = time.perf_counter() - self.start
-        filled = self.width * self.done // max(self.total, 1)
-        bar = "#" * filled + "." * (self.width - filled)
-        eta = elapsed / self.done * (self.total - self.done) if self.done else 0
-        line = (
-            f"[{bar}] {self.done}/{self.total} {self.label}"
-            f"  {format_seconds(elapsed)} elapsed, {format_seconds(eta)} left"
-        )
-        self.stream.write("\r" + line.ljust(self.last_len))
-        self.stream.flush()
-        self.last_len = len(line)
-
-    def close(self):
-        self.stream.write("\n")
-        self.stream.flush()
-
-
-def format_seconds(seconds: float) -> str:
-    minutes, seconds = divmod(round(seconds), 60)
-    return f"{minutes}:{seconds:02d}"
+        self.allocated_bytes = allocated_bytes
 
 
 def evaluate_tokens(
     model: nn.Module,
     windows: mx.array,
-    schemes: Sequence[kv_schemes.Scheme],
+    schemes: Sequence[Scheme],
     chunk: int = 128,
     seed: int = 0,
     progress: Progress | None = None,
@@ -272,6 +167,7 @@ def evaluate_tokens(
     """Score every window under every scheme; ``schemes[0]`` is the reference
     the others are compared with. Returns one summary dict per scheme."""
     runs = [SchemeRun(scheme) for scheme in schemes]
+    shapes = layer_shapes(model, schemes[0].max_kv_size)
     for w, tokens in enumerate(windows):
         reference = None
         for run in runs:
@@ -286,14 +182,9 @@ def evaluate_tokens(
             if reference is None:
                 reference = logprobs
             stats = token_stats(logprobs, tokens[1:], reference)
-            run.add(stats, seconds, cache_footprint(cache))
-            for context in (tokens.size, AVERAGE_CONTEXT):
-                bits = kv_schemes.average_bits(cache, context)
-                if bits is not None:
-                    run.average_bits[context] = dict(zip("kv", bits))
-            run.layer_bits = [kv_schemes.layer_bits(c) for c in cache]
+            run.add(stats, seconds, sum(c.nbytes for c in cache))
             del cache, logprobs
-    return [summarize(run, runs[0]) for run in runs]
+    return [summarize(run, runs[0], shapes, windows.shape[1]) for run in runs]
 
 
 # ---------------------------------------------------------------------------
@@ -473,7 +364,7 @@ def answer_has_key(answer: str, key: str) -> bool:
 def evaluate_passkey(
     model,
     tokenizer,
-    schemes: Sequence[kv_schemes.Scheme],
+    schemes: Sequence[Scheme],
     contexts: Sequence[int],
     depths: Sequence[float],
     chunk: int = 512,
@@ -582,7 +473,7 @@ def wilson_ci(successes: int, n: int):
     return [min(center - half, p), max(center + half, p)]
 
 
-def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
+def summarize(run: SchemeRun, reference: SchemeRun, shapes, window: int) -> dict:
     nll = np.concatenate(run.nll)
     diff = nll - np.concatenate(reference.nll)
     kld = np.concatenate(run.kld)
@@ -593,12 +484,12 @@ def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
     mean_diff, diff_ci = mean_ci(diff)
     mean_kld, kld_ci = mean_ci(kld)
 
-    footprint, plain = run.footprint, reference.footprint
-    tokens_held = footprint.tokens
+    spec = run.scheme.spec
+    footprints = {n: spec.footprint(shapes, n) for n in (window, AVERAGE_CONTEXT)}
     return {
         "kv": run.scheme.name,
+        "spec": spec.text,
         "reference": run is reference,
-        "group_size": run.scheme.group_size,
         "ppl": math.exp(mean_nll),
         "ppl_ci": [math.exp(x) for x in nll_ci],
         "window_ppl": [math.exp(float(x.mean())) for x in run.nll],
@@ -608,23 +499,14 @@ def summarize(run: SchemeRun, reference: SchemeRun) -> dict:
         "kld_ci": kld_ci,
         "top1": 100 * agree / n,
         "top1_ci": [100 * x for x in wilson_ci(agree, n)],
-        "bits_per_element": dict(zip("kv", run.scheme.bits_per_element)),
-        "kept_tokens": run.scheme.kept_tokens,
-        "high_layers": list(run.scheme.high_layers),
-        "layer_bits": [bits and list(bits) for bits in run.layer_bits],
-        # everything stored, at the window's length and at AVERAGE_CONTEXT
-        **{
-            f"bits_per_element_at_{context}": bits
-            for context, bits in run.average_bits.items()
-        },
-        "stored_bits_per_element": {
-            "k": 8 * footprint.key_bytes / plain.key_elements,
-            "v": 8 * footprint.value_bytes / plain.value_elements,
-        },
-        "cache_bytes_per_token": (footprint.key_bytes + footprint.value_bytes)
-        / tokens_held,
-        "cache_tokens": tokens_held,
-        "cache_allocated_bytes": footprint.allocated_bytes,
+        # everything a sequence of that many tokens stores, as a 16-bit model
+        # stores it (KVSpec.footprint)
+        "bits_per_element": footprints[AVERAGE_CONTEXT]["bits_per_element"],
+        "bits_per_element_context": AVERAGE_CONTEXT,
+        "cache_bytes_per_token": footprints[window]["bytes_per_token"],
+        "kept_tokens": 0 if spec.is_reference else spec.first_tokens,
+        "more_layers": list(spec.layers),
+        "cache_allocated_bytes": run.allocated_bytes,
         "tokens": n,
         "seconds": run.seconds,
     }
@@ -639,12 +521,7 @@ def format_ci(ci, digits: int) -> str:
 
 
 def format_bits(r: dict) -> str:
-    bits = r["bits_per_element"]
-    text = f"{bits['k']:g} / {bits['v']:g}"
-    average = r.get(f"bits_per_element_at_{AVERAGE_CONTEXT}", bits)
-    if average != bits:
-        text += f" ({average['k']:.4g} / {average['v']:.4g} at {AVERAGE_CONTEXT})"
-    return text
+    return f"{r['bits_per_element']:.3f}"
 
 
 def format_row(r: dict) -> str:
@@ -667,38 +544,23 @@ def format_row(r: dict) -> str:
 
 
 TABLE_HEADER = (
-    "| KV (K,V bits) | bits/elem K / V | PPL (95% CI) | ΔPPL vs fp16 (95% CI) "
-    "| KLD vs fp16 (± 95%) | top-1 = fp16 (95% CI) | stored KV bytes/token | s |\n"
+    "| KV | bits/elem | PPL (95% CI) | ΔPPL vs fp16 (95% CI) "
+    "| KLD vs fp16 (± 95%) | top-1 = fp16 (95% CI) | KV bytes/token | s |\n"
     "|---|---|---|---|---|---|---|---|"
 )
 
 TABLE_NOTES = (
-    "bits/elem: the codes plus a 16-bit scale and bias per group (b + 32/g), as a "
-    "float16/bfloat16 model stores them; in brackets, where it differs, the average "
-    f"over all a sequence of {AVERAGE_CONTEXT} tokens stores (bounded layers hold at "
-    "most their window, each kept token (+exactN) adds 16 bits per element to its "
-    "quantized copy, +kB@ layers have more bits). Stored KV bytes/token: K + V over all layers "
-    "for one token as this run holds them, in the model's dtype (a float32 model keeps "
-    "float32 scales, biases and reference K/V); rows allocated ahead are not counted. "
-    "s: seconds of forward passes for the scheme, all windows."
+    f"bits/elem: everything a sequence of {AVERAGE_CONTEXT} tokens stores, keys and "
+    "values, as a 16-bit model stores it (codes, scales and norms, the first tokens "
+    "kept, a residual, the transform; bounded layers hold at most their window), "
+    "from the scheme's spec. KV bytes/token: the same over all layers at the window's "
+    "length. s: seconds of forward passes for the scheme, all windows."
 )
 
 
 def format_table(results: Sequence[dict]) -> str:
     rows = "\n".join(format_row(r) for r in results)
     return f"{TABLE_HEADER}\n{rows}\n\n{TABLE_NOTES}"
-
-
-def element_bits(r: dict) -> dict:
-    """(k, v) bits per element as a float16 model stores them, averaged over
-    ``AVERAGE_CONTEXT`` tokens (``schemes.average_bits``: affine ones with
-    16-bit scales and biases, as a float32 run does not store them, codebook
-    ones with their float16 norms at this head dim, kept tokens, means);
-    codebook results from before that average as stored."""
-    average = r.get(f"bits_per_element_at_{AVERAGE_CONTEXT}")
-    if r["kv"].startswith("codebook") and average is None:
-        return r["stored_bits_per_element"]
-    return average or r["bits_per_element"]
 
 
 def format_passkey(r: dict) -> str:
@@ -728,12 +590,11 @@ def summary_table(results: Sequence[dict]) -> str:
     retrieval per scheme."""
     passkey = any("passkey" in r for r in results)
     lines = [
-        "| KV | bits/elem K / V | ΔPPL vs fp16 (95% CI) | KLD (± 95%) | top-1 (95% CI) |"
+        "| KV | bits/elem | ΔPPL vs fp16 (95% CI) | KLD (± 95%) | top-1 (95% CI) |"
         + (" passkey |" if passkey else ""),
         "|---|---|---|---|---|" + ("---|" if passkey else ""),
     ]
     for r in results:
-        bits = element_bits(r)
         delta = (
             f"ref (PPL {r['ppl']:.3f})"
             if r["reference"]
@@ -742,7 +603,7 @@ def summary_table(results: Sequence[dict]) -> str:
         kld = f"{r['kld']:.4f} ± {(r['kld_ci'][1] - r['kld_ci'][0]) / 2:.4f}"
         top1 = f"{r['top1']:.1f}% ({format_ci(r['top1_ci'], 1)})"
         lines.append(
-            f"| {r['kv']} | {bits['k']:.4g} / {bits['v']:.4g} | {delta} | {kld} | {top1} |"
+            f"| {r['kv']} | {format_bits(r)} | {delta} | {kld} | {top1} |"
             + (f" {format_passkey(r)} |" if passkey else "")
         )
     return "\n".join(lines)
@@ -773,7 +634,7 @@ def machine() -> str:
 def float32_matmuls() -> str:
     """How MLX's GPU backends multiply float32 matrices: in TF32 (inputs
     rounded to a 10-bit mantissa) unless ``MLX_ENABLE_TF32=0``. On CUDA that
-    moves Gemma's passkey counts by a few keys (docs/quality-levers.md)."""
+    moves Gemma's passkey counts by a few keys (docs/results.md)."""
     return "float32" if os.environ.get("MLX_ENABLE_TF32") == "0" else "TF32"
 
 
@@ -822,23 +683,26 @@ def sha256_file(path) -> str:
 # Command line
 
 
-def resolve_schemes(names: Sequence[str], group_size) -> list[kv_schemes.Scheme]:
-    """The schemes for ``names``, the reference first (added if missing),
+def resolve_schemes(names: Sequence[str]) -> list[KVSpec]:
+    """The specs for ``names``, the reference first (added if missing),
     duplicates dropped."""
-    schemes, seen = [], set()
+    specs, seen = [], set()
     for name in names:
-        scheme = kv_schemes.get_scheme(name, group_size)
-        if scheme.name not in seen:
-            seen.add(scheme.name)
-            schemes.append(scheme)
-    references = [s for s in schemes if s.is_reference]
-    if not references:
-        references = [kv_schemes.get_scheme(REFERENCE, group_size)]
-    rest = [s for s in schemes if s is not references[0]]
+        spec = KVSpec.parse(name)
+        if spec.text not in seen:
+            seen.add(spec.text)
+            specs.append(spec)
+    references = [s for s in specs if s.is_reference] or [KVSpec.parse(REFERENCE)]
+    rest = [s for s in specs if s is not references[0]]
     return [references[0], *rest]
 
 
-def check_schemes(model, schemes: Sequence[kv_schemes.Scheme]):
+def model_schemes(model, specs: Sequence[KVSpec], max_kv_size=None) -> list[Scheme]:
+    """The specs as a run on ``model`` uses them (``fit=`` resolved)."""
+    return [Scheme(fit.resolve(spec, model), max_kv_size) for spec in specs]
+
+
+def check_schemes(model, schemes: Sequence[Scheme]):
     """Run two tokens through every scheme's cache, so that a scheme that
     does not fit the model (a group size the head dim does not divide, a
     layer it lacks) fails before the long runs rather than after them."""
@@ -861,13 +725,8 @@ def parse_args(argv=None):
         action="append",
         metavar="SCHEME",
         help="KV cache scheme, repeatable (default: "
-        f"{' '.join(DEFAULT_SCHEMES)}). {kv_schemes.describe()}",
-    )
-    parser.add_argument(
-        "--kv-group-size",
-        default="64",
-        type=kv_schemes.parse_group_size,
-        help="group size of quantized schemes: N or K,V (default 64)",
+        f"{' '.join(DEFAULT_SCHEMES)}): fp16, a preset or name=value items, "
+        f"see omlx_cache.kv.spec. Presets: {preset_help()}",
     )
     parser.add_argument("--text", default=str(DEFAULT_TEXT), help="evaluation text")
     parser.add_argument("--windows", type=int, default=4)
@@ -925,6 +784,10 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     if args.passkey_keys < 1:
         parser.error(f"--passkey-keys must be 1 or more, got {args.passkey_keys}")
+    try:
+        args.specs = resolve_schemes(args.kv or DEFAULT_SCHEMES)
+    except ValueError as e:
+        parser.error(f"--kv: {e}")
     return args
 
 
@@ -960,15 +823,6 @@ def blas_hint() -> str | None:
     )
 
 
-def model_dtype(model: nn.Module) -> str:
-    """The dtype of the model's floating-point parameters, e.g. ``"float32"``."""
-    dtypes = {x.dtype for _, x in tree_flatten(model.parameters())}
-    floating = sorted(
-        str(d).split(".")[-1] for d in dtypes if mx.issubdtype(d, mx.floating)
-    )
-    return ",".join(floating)
-
-
 def load_model(path: str):
     from mlx_lm import load
 
@@ -986,14 +840,12 @@ def main(argv=None) -> dict:
         report = json.loads(Path(args.table).read_text())
         print(summary_table(report["results"]))
         return report
-    schemes = resolve_schemes(args.kv or DEFAULT_SCHEMES, args.kv_group_size)
-    if args.max_kv_size:
-        schemes = [kv_schemes.windowed(s, args.max_kv_size) for s in schemes]
     text = read_text(args.text)
     model, tokenizer = load_model(args.model)
     if args.dtype:
         model.set_dtype(DTYPES[args.dtype])
     try:
+        schemes = model_schemes(model, args.specs, args.max_kv_size)
         check_schemes(model, schemes)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
@@ -1038,7 +890,6 @@ def main(argv=None) -> dict:
         "window_tokens": args.window_tokens,
         "bos": tokenizer.bos_token_id,
         "chunk": args.chunk,
-        "kv_group_size": args.kv_group_size,
         "seed": args.seed,
         "max_kv_size": args.max_kv_size,
         "dtype": args.dtype or model_dtype(model),

@@ -1,14 +1,11 @@
 """Generate text with a KV cache scheme chosen by name.
 
     python -m omlx_cache.generate --model models/gemma-3-270m --max-tokens 100 \\
-        --kv "4,3+rotate+center+qscale+exact8+res72/g64,32~4+rotate+center+qscale+exact8+k5@4.8" \\
-        --prompt "Write a haiku about the sea."
+        --kv cq4 --prompt "Write a haiku about the sea."
 
-``mlx_lm.generate`` with the caches of an ``omlx_cache.schemes`` scheme as
-its prompt cache: the schemes its flags do not reach (centering, key weights,
-split schemes, codebooks) run through mlx-lm's own generation loop. Options
-follow ``mlx_lm.generate``'s (``--prompt -`` reads standard input);
-``python -m omlx_cache.eval --help`` lists the scheme syntax.
+``mlx_lm.generate`` with the caches of a scheme (``omlx_cache.kv.spec``) as
+its prompt cache, through mlx-lm's own generation loop. Options follow
+``mlx_lm.generate``'s (``--prompt -`` reads standard input).
 """
 
 import argparse
@@ -19,7 +16,8 @@ from mlx_lm import load
 from mlx_lm.generate import generate
 from mlx_lm.sample_utils import make_sampler
 
-from . import schemes as kv_schemes
+from . import fit
+from .kv.spec import KVSpec
 
 
 def parse_args(argv=None):
@@ -29,7 +27,6 @@ def parse_args(argv=None):
     parser.add_argument("--model", required=True, help="model path")
     parser.add_argument("--prompt", "-p", default="Hello", help="prompt, - for stdin")
     parser.add_argument("--kv", default="fp16", help="KV cache scheme (default fp16)")
-    parser.add_argument("--kv-group-size", type=int, default=64)
     parser.add_argument(
         "--max-kv-size", type=int, help="keep at most this many tokens per layer"
     )
@@ -44,9 +41,7 @@ def parse_args(argv=None):
     )
     args = parser.parse_args(argv)
     try:
-        args.scheme = kv_schemes.get_scheme(args.kv, args.kv_group_size)
-        if args.max_kv_size is not None:
-            args.scheme = kv_schemes.windowed(args.scheme, args.max_kv_size)
+        args.spec = KVSpec.parse(args.kv)
     except ValueError as e:
         parser.error(f"--kv {args.kv}: {e}")
     if args.max_tokens < 1:
@@ -74,7 +69,7 @@ def main(argv=None) -> str:
         prompt_tokens(tokenizer, prompt, args.ignore_chat_template),
         max_tokens=args.max_tokens,
         sampler=make_sampler(args.temp, args.top_p),
-        prompt_cache=args.scheme.make_cache(model),
+        prompt_cache=fit.resolve(args.spec, model).make_cache(model, args.max_kv_size),
         verbose=True,
     )
 

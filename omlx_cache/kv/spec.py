@@ -104,16 +104,21 @@ class KVSpec:
     def parse(cls, text: str) -> "KVSpec":
         """The spec of a scheme string (ValueError naming the bad item)."""
         text = " ".join(text.split())
-        items = text.split(" ") if text else []
-        if not items or items == ["fp16"]:
-            return cls(name="fp16")
-        base = {}
-        if items[0] in PRESETS:
-            base = _items(PRESETS[items[0]].split(" "))
-            items = items[1:]
-        spec = cls(**{**base, **_items(items)}, name=text)
+        spec = cls(**cls.fields(text), name=text or "fp16")
         spec.check()
         return spec
+
+    @staticmethod
+    def fields(text: str) -> dict:
+        """The fields a scheme string sets (a preset's, then its items')."""
+        items = text.split()
+        if items == ["fp16"]:
+            return {}
+        base = {}
+        if items and items[0] in PRESETS:
+            base = _items(PRESETS[items[0]].split(" "))
+            items = items[1:]
+        return {**base, **_items(items)}
 
     @property
     def text(self) -> str:
@@ -161,6 +166,8 @@ class KVSpec:
     def check(self):
         """ValueError naming what does not hold."""
         if self.bits is None:
+            if self != KVSpec():
+                raise ValueError(f"{self.name}: a scheme needs bits= (or fp16).")
             return
         self.codecs()
         if self.more:
