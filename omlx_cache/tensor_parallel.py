@@ -25,7 +25,6 @@ each rank holds from the cache layout:
 import argparse
 import json
 import math
-import re
 import shutil
 import socket
 import subprocess
@@ -39,7 +38,10 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from . import models
-from . import schemes as kv_schemes
+from .kv import kernels
+from .kv.codecs import Affine
+from .kv.spec import KVSpec
+from .kv.store import KVStore
 
 # A llama whose heads split over 2 or 4 ranks (SmolLM2's 9 query / 3 KV heads
 # split over none), tiny, float32, with SmolLM2's tokenizer.
@@ -165,16 +167,13 @@ def parse_case(name: str) -> Case:
     if batch:
         text = text[len("batch ") :].strip()
     scheme, _, window = text.partition("@w")
-    kv_schemes.get_scheme(scheme)
+    KVSpec.parse(scheme)
     return Case(name, scheme, int(window) if window else None, batch)
 
 
 def case_caches(case: Case, model) -> list:
     """One sequence's fresh caches for ``case``."""
-    scheme = kv_schemes.get_scheme(case.scheme)
-    if case.window is not None:
-        scheme = kv_schemes.windowed(scheme, case.window)
-    return scheme.make_cache(model)
+    return KVSpec.parse(case.scheme).make_cache(model, case.window)
 
 
 def kv_heads(cache) -> int | None:
@@ -380,16 +379,14 @@ TP_LLAMA = Shape(
 
 def scheme_quantization(name: str):
     """``None`` for ``fp16``, else the (key, value) ``(bits, group_size)``
-    pairs of an affine scheme such as ``8,4``, ``4+rotate`` or ``4/g32``."""
-    scheme = kv_schemes.get_scheme(name)
-    if scheme.is_reference:
+    pairs of an affine scheme such as ``8,4``, ``4`` or ``bits=4 group=32``."""
+    spec = KVSpec.parse(name)
+    if spec.is_reference:
         return None
-    match = re.match(r"(\d+)(?:,(\d+))?", name)
-    if scheme.group_size is None or match is None:
+    codecs = spec.codecs()
+    if not all(isinstance(c, Affine) for c in codecs):
         raise ValueError(f"No affine layout for scheme {name!r}.")
-    key_bits = int(match[1])
-    bits = (key_bits, int(match[2] or key_bits))
-    return tuple(zip(bits, scheme.group_size))
+    return tuple((c.bits, c.group_size) for c in codecs)
 
 
 def bytes_per_token(name: str, shape: Shape, kv_heads: int) -> int:
@@ -414,21 +411,19 @@ def generation_slots(name: str, prompt_tokens: int, max_tokens: int) -> int:
     within one prefill step or of whole steps); a quantized cache reserves the
     prompt and up to 4,096 new tokens, rounded up to 8 (patch 0010), then adds
     pages of 4,096."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    from mlx_lm.models.cache import KVCache
 
     total = prompt_tokens + max_tokens
     if scheme_quantization(name) is None:
         return -(-total // KVCache.step) * KVCache.step
-    page = QuantizedKVCache.page_size
-    reserve = -(-(prompt_tokens + min(max_tokens, page)) // 8) * 8
+    page = KVStore.page_size
+    reserve = -(-(prompt_tokens + min(max_tokens, page)) // 16) * 16
     return reserve + max(0, -(-(total - reserve) // page) * page)
 
 
 def scheme_center(name: str) -> str:
     """``""``, ``"k"`` or ``"kv"``: what a scheme centers."""
-    if "+center-kv" in name:
-        return "kv"
-    return "k" if "+center" in name else ""
+    return KVSpec.parse(name).center
 
 
 def kv_bytes_per_rank(
@@ -454,7 +449,7 @@ def built_kv_bytes(name: str, shape: Shape, slots: int, ranks: int = 1) -> int:
     """``nbytes`` of real caches for one rank's heads holding ``slots`` tokens,
     built at full size but never evaluated (the arrays stay lazy: nothing is
     allocated)."""
-    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+    from mlx_lm.models.cache import KVCache
 
     quantization = scheme_quantization(name)
     dtype = {2: mx.float16, 4: mx.float32}[shape.dtype_bytes]
@@ -465,7 +460,8 @@ def built_kv_bytes(name: str, shape: Shape, slots: int, ranks: int = 1) -> int:
             cache, tokens = KVCache(), slots
         else:
             (kb, kg), (vb, vg) = quantization
-            cache, tokens = QuantizedKVCache((kg, vg), (kb, vb), reserve=slots), 1
+            cache, tokens = KVStore(Affine(kb, kg), Affine(vb, vg), first=0), 1
+            cache.reserve = slots
         x = mx.zeros((1, heads, tokens, shape.head_dim), dtype)
         cache.update_and_fetch(x, x)
         total += cache.nbytes
@@ -545,18 +541,13 @@ def held_tokens(name: str, shape: Shape, kv_heads: int) -> int:
     """Decode tokens a quantized cache holds unquantized here (patch 0009:
     ``decode_buffer`` tokens, by default 32 where the CUDA decode kernel
     runs, else none)."""
-    from mlx_lm.models import quantized_decode
-    from mlx_lm.models.cache import QuantizedKVCache
-
     quantization = scheme_quantization(name)
     if quantization is None:
         return 0
-    if QuantizedKVCache.decode_buffer is not None:
-        return QuantizedKVCache.decode_buffer
     dtype = {2: mx.float16, 4: mx.float32}[shape.dtype_bytes]
     x = mx.zeros((1, kv_heads, 1, shape.head_dim), dtype)
-    (kb, _), (vb, _) = quantization
-    return 32 if quantized_decode.takes_held_tokens(x, x, kb, vb) else 0
+    held = kernels.hold(x, x, *KVSpec.parse(name).codecs())
+    return held.size if held else 0
 
 
 def measure(preset_name, schemes, contexts, out_dir, decode_steps=4, step=4096):
@@ -567,8 +558,6 @@ def measure(preset_name, schemes, contexts, out_dir, decode_steps=4, step=4096):
     ``decode_steps`` decode steps through the sharded model. Writes
     ``measure-rank{R}.json``: each rank's KV heads and cache bytes against the
     layout's."""
-    from mlx_lm.generate import reserve_quantized_cache
-
     from . import bench
 
     group = mx.distributed.init()
@@ -584,8 +573,11 @@ def measure(preset_name, schemes, contexts, out_dir, decode_steps=4, step=4096):
     report["device"] = str(mx.default_device())
     for name in schemes:
         for context in contexts:
-            cache = kv_schemes.get_scheme(name).make_cache(model)
-            reserve_quantized_cache(cache, context)
+            cache = KVSpec.parse(name).make_cache(model)
+            for c in cache:
+                # as generate_step reserves the generation's page
+                if getattr(c, "reserve", False) is None and c.empty():
+                    c.reserve = context
             mx.reset_peak_memory()
             start = time.perf_counter()
             prompt = mx.zeros((context - decode_steps, 1), mx.int32)

@@ -19,13 +19,10 @@ with the same weights as the patched model.
 Schemes: ``fp16`` (mlx-lm's ``KVCache``, in the model's dtype), ``upstream-B``
 (upstream's ``QuantizedKVCache`` from the first token), ``upstream-B@S``
 (upstream's default path: ``KVCache`` until S tokens, then converted), and
-ours: ``B`` or ``KB,VB`` (patched ``QuantizedKVCache``), ``+reserve`` to
-reserve the whole context up front, ``/pN`` for a page size of N tokens,
-``/hN`` to hold N decode tokens unquantized (``QuantizedKVCache.decode_buffer``;
-``/h0``: quantize each one as it comes).
-Any other name is a scheme of ``omlx_cache.schemes`` (as ``python -m
-omlx_cache.eval --kv`` takes them), e.g. ``4+rotate``, ``codebook-3`` or
-``codebook-3k-4v+center``.
+ours: any scheme of ``omlx_cache.kv.spec`` (as ``python -m omlx_cache.eval
+--kv`` takes them), e.g. ``8,4``, ``4``, ``bits=4 first=0`` or
+``codec=codebook bits=3``, in ``KVStore``s that reserve the whole context up
+front, as ``generate_step`` does (``--page-size`` sets their page size).
 
 The parts: ``models`` (presets, the patched and pristine llama), ``caches``
 (scheme names and their caches), ``timing`` (one case: fill, decode loops,
@@ -36,7 +33,6 @@ errors), ``run`` (the grid, budgets, JSON, command line) and ``report``
 from .caches import (
     DEFAULT_SCHEMES,
     Scheme,
-    decode_buffer,
     left_padding,
     make_cache,
     page_size,
@@ -67,7 +63,6 @@ __all__ = [
     "build_model",
     "build_models",
     "decode",
-    "decode_buffer",
     "decode_pipelined",
     "find",
     "import_pristine",

@@ -1,20 +1,15 @@
-"""Bench scheme names and the caches they make: ``fp16``, upstream's
-``upstream-B[@S]``, ours ``B`` / ``K,V`` with ``+reserve``, ``/pN`` and ``/hN``,
-and any scheme of ``omlx_cache.schemes`` by name."""
+"""Bench schemes and the caches they make: ``fp16`` (mlx-lm's own caches),
+``upstream-B[@S]`` (the unpatched release's ``QuantizedKVCache``, from token
+S on as its ``generate_step`` converts) and any scheme of
+``omlx_cache.kv.spec`` (ours: ``8``, ``8,4``, ``4``, ``cq4``, ``bits=4 first=0``...)."""
 
-import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from mlx_lm.models.cache import (
-    BatchKVCache,
-    BatchQuantizedKVCache,
-    KVCache,
-    QuantizedKVCache,
-    check_kv_quantization,
-)
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from .. import schemes as kv_schemes
+from ..kv.spec import KVSpec
+from ..kv.store import BatchKVStore, KVStore
 
 DEFAULT_SCHEMES = (
     "fp16",
@@ -24,56 +19,39 @@ DEFAULT_SCHEMES = (
     "8",
     "8,4",
     "4",
-    "8+reserve",
-    "8,4+reserve",
-    "4+reserve",
 )
-
-
-# --- schemes -----------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class Scheme:
     name: str
-    kind: str  # "fp", "upstream", "ours" or "named" (omlx_cache.schemes)
+    kind: str  # "fp", "upstream" or "ours"
     bits: tuple[int, int] = (16, 16)
-    reserve: bool = False
-    page_size: int | None = None
-    decode_buffer: int | None = None
     quantized_start: int = 0
+    spec: KVSpec | None = None
 
     @property
     def counterpart(self) -> str | None:
-        """The upstream scheme that ours is compared with: same bits, or the
-        smaller of a (key, value) pair."""
-        if self.kind != "ours":
+        """The upstream scheme that ours is compared with: the smaller of its
+        (key, value) bits, for plain affine specs."""
+        if self.kind != "ours" or "codebook" in self.spec.codec:
             return None
         return f"upstream-{min(self.bits)}"
-
-
-OURS = re.compile(r"\d+(,\d+)?(\+reserve)?(/p\d+)?(/h\d+)?")
 
 
 def parse_scheme(name: str) -> Scheme:
     if name == "fp16":
         return Scheme(name, "fp")
-    if not name.startswith("upstream-") and not OURS.fullmatch(name):
-        kv_schemes.get_scheme(name)  # a clear error for an unknown name
-        return Scheme(name, "named")
-    base, _, held = name.partition("/h")
-    base, _, page = base.partition("/p")
-    page_size = int(page) if page else None
-    if base.startswith("upstream-"):
-        bits, _, start = base.removeprefix("upstream-").partition("@")
-        bits = int(bits)
-        check_kv_quantization(64, bits)
-        return Scheme(name, "upstream", (bits, bits), quantized_start=int(start or 0))
-    reserve = base.endswith("+reserve")
-    bits = tuple(int(b) for b in base.removesuffix("+reserve").split(","))
-    _, bits = check_kv_quantization(64, bits if len(bits) > 1 else bits[0])
-    decode_buffer = int(held) if held else None
-    return Scheme(name, "ours", bits, reserve, page_size, decode_buffer)
+    if name.startswith("upstream-"):
+        bits, _, start = name.removeprefix("upstream-").partition("@")
+        spec = KVSpec.parse(f"bits={bits}")
+        return Scheme(name, "upstream", spec.bits, quantized_start=int(start or 0))
+    spec = KVSpec.parse(name)
+    if spec.fit is not None:
+        raise ValueError(
+            f"{name}: the bench makes caches without a model; use layers=."
+        )
+    return Scheme(name, "ours", spec.bits, spec=spec)
 
 
 @contextmanager
@@ -88,11 +66,17 @@ def setting(owner, name: str, value):
 
 
 def page_size(size: int | None):
-    return setting(QuantizedKVCache, "page_size", size)
+    return setting(KVStore, "page_size", size)
 
 
-def decode_buffer(size: int | None):
-    return setting(QuantizedKVCache, "decode_buffer", size)
+def _stores(spec: KVSpec, n_layers: int, make):
+    return [
+        make(
+            *(spec.more_codecs() if i in spec.layers else spec.codecs()),
+            **spec.settings(),
+        )
+        for i in range(n_layers)
+    ]
 
 
 def make_cache(
@@ -105,9 +89,7 @@ def make_cache(
     batch: int = 1,
 ):
     if batch > 1:
-        return make_batch_cache(scheme, n_layers, group_size, batch)
-    if scheme.kind == "named":
-        return kv_schemes.get_scheme(scheme.name, group_size).make_cache(model)
+        return make_batch_cache(scheme, n_layers, batch)
     if scheme.kind == "fp":
         return [KVCache() for _ in range(n_layers)]
     if scheme.kind == "upstream":
@@ -115,25 +97,26 @@ def make_cache(
             return [upstream.KVCache() for _ in range(n_layers)]
         bits = scheme.bits[0]
         return [upstream.QuantizedKVCache(group_size, bits) for _ in range(n_layers)]
-    reserve = tokens if scheme.reserve else None
-    return [
-        QuantizedKVCache(group_size, scheme.bits, reserve=reserve)
-        for _ in range(n_layers)
-    ]
+    cache = _stores(scheme.spec, n_layers, KVStore)
+    for c in cache:
+        # as generate_step reserves the generation's page
+        c.reserve = tokens
+    return cache
 
 
-def make_batch_cache(scheme: Scheme, n_layers: int, group_size: int, batch: int):
+def make_batch_cache(scheme: Scheme, n_layers: int, batch: int):
     """The caches of mlx-lm's batched generation (``BatchGenerator``): left
     padding, the mask that drops it."""
     padding = left_padding(batch)
     if scheme.kind == "fp":
         return [BatchKVCache(padding) for _ in range(n_layers)]
-    if scheme.kind == "ours" and not scheme.reserve:
-        return [
-            BatchQuantizedKVCache(padding, group_size, scheme.bits)
-            for _ in range(n_layers)
-        ]
-    raise ValueError(f"--batch takes fp16 and our B or K,V schemes, not {scheme.name}")
+    if scheme.kind == "ours":
+        return _stores(
+            scheme.spec,
+            n_layers,
+            lambda *codecs, **kw: BatchKVStore(padding, *codecs, **kw),
+        )
+    raise ValueError(f"--batch takes fp16 and our schemes, not {scheme.name}")
 
 
 def converter(scheme: Scheme, group_size: int):

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx_lm
-from mlx_lm.models.cache import QuantizedKVCache
 
+from ..kv import attention
+from ..kv.store import KVStore
 from .caches import DEFAULT_SCHEMES, Scheme, page_size, parse_scheme, setting
 from .common import GIB, PROCESS_START, int_list, log, write_json
 from .models import PRESETS, REPO_ROOT, build_models, import_pristine, pristine_version
@@ -187,9 +188,7 @@ def git_head(root: Path) -> str | None:
 
 def bench(options: argparse.Namespace) -> dict:
     """Build the models, run every case and return the report."""
-    from mlx_lm.models import base
-
-    tiles = setting(base, "QUANTIZED_SDPA_TILE_SCORES", options.tile_scores)
+    tiles = setting(attention, "TILE_SCORES", options.tile_scores)
     with page_size(options.page_size), tiles:
         return run_bench(options)
 
@@ -219,7 +218,7 @@ def run_bench(options: argparse.Namespace) -> dict:
         "args": {k: v for k, v in vars(options).items()},
         "preset": {"name": options.preset, **preset, "dtype": str(dtype)},
         "weights_bytes": weights,
-        "default_page_size": QuantizedKVCache.page_size,
+        "default_page_size": KVStore.page_size,
         "tile_scores": tile_scores(),
         "rows": [],
         "running": None,
@@ -236,10 +235,8 @@ def run_bench(options: argparse.Namespace) -> dict:
 
 
 def tile_scores() -> int:
-    """Scores per attention tile in the patched tree."""
-    from mlx_lm.models import base
-
-    return base.quantized_sdpa_tile_scores()
+    """Scores per attention tile of our stores."""
+    return attention.tile_scores()
 
 
 # --- command line ----------------------------------------------------------------
@@ -282,18 +279,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--dtype", help="activations (default: the preset's)")
     parser.add_argument("--kv-group-size", type=int, default=64)
-    parser.add_argument("--page-size", type=int, help="QuantizedKVCache.page_size")
+    parser.add_argument("--page-size", type=int, help="KVStore.page_size")
     parser.add_argument(
         "--tile-scores",
         type=int,
-        help="base.QUANTIZED_SDPA_TILE_SCORES: scores per attention tile "
+        help="omlx_cache.kv.attention.TILE_SCORES: scores per attention tile "
         "(default: the device's, 2^24, or 2^26 on CUDA)",
     )
     parser.add_argument(
         "--sweep-schemes",
         nargs="*",
         default=[],
-        help="schemes run at --sweep-context only, e.g. 4/p1024 4/p16384 4+reserve",
+        help="schemes run at --sweep-context only",
     )
     parser.add_argument("--sweep-context", type=int, default=32768)
     parser.add_argument(

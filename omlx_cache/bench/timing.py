@@ -11,14 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import QuantizedKVCache
 
+from ..kv.store import KVStore
 from .caches import (
     Scheme,
     converter,
-    decode_buffer,
     make_cache,
-    page_size,
 )
 from .common import log
 from .models import lm_head
@@ -164,62 +162,59 @@ def run_case(setup: Setup, scheme: Scheme, context: int, sweep: bool = False):
     after_call = converter(scheme, opts.kv_group_size)
     row = case_row(scheme, context, sweep, opts)
 
-    with page_size(scheme.page_size), decode_buffer(scheme.decode_buffer):
-        cache = make_cache(
-            scheme,
-            n_layers,
-            context + steps.shape[0],
-            opts.kv_group_size,
-            setup.upstream_cache,
-            model,
-            batch,
-        )
-        gc.collect()
-        mx.clear_cache()
-        active = mx.get_active_memory()
-        mx.reset_peak_memory()
-        tic = time.perf_counter()
-        fill = synthetic_fill if opts.fill == "synthetic" else prefill
-        logits = fill(model, prompt, cache, opts.prefill_step, after_call, tic + budget)
-        prefill_s = time.perf_counter() - tic
-        peak = mx.get_peak_memory()
-        kv_bytes = sum(c.nbytes for c in cache)
-        row.update(
-            page_size=QuantizedKVCache.page_size if scheme.kind == "ours" else None,
-            active_before_bytes=active,
-            kv_bytes=kv_bytes,
-            peak_bytes=peak,
-            workspace_bytes=peak - active - kv_bytes,
-            prefill_s=prefill_s,
-            prefill_tok_s=context * batch / prefill_s,
-        )
-        mx.reset_peak_memory()
-        deadline = time.perf_counter() + max(budget - prefill_s, 0)
-        try:
-            first = None
-            for mode in modes:
-                if mode == "sync":
-                    sync_steps = steps[:n_decode]
-                    times, first = decode(
-                        model, cache, sync_steps, after_call, deadline
-                    )
-                else:
-                    start = n_decode if "sync" in modes else 0
-                    times = decode_pipelined(
-                        model,
-                        cache,
-                        steps[start : start + n_decode + 1],
-                        after_call,
-                        deadline,
-                    )
-                key = DECODE_KEYS[mode]
-                add_decode_times(row, times, opts.decode_warmup, key, batch)
-        # upstream's decode attention raises on CUDA: keep the prefill numbers
-        except Exception as e:  # noqa: BLE001
-            row["decode_error"] = f"{type(e).__name__}: {e}"
-            add_errors(row, setup, scheme, context, logits, None)
-            return row
-        row["decode_peak_bytes"] = mx.get_peak_memory()
+    cache = make_cache(
+        scheme,
+        n_layers,
+        context + steps.shape[0],
+        opts.kv_group_size,
+        setup.upstream_cache,
+        model,
+        batch,
+    )
+    gc.collect()
+    mx.clear_cache()
+    active = mx.get_active_memory()
+    mx.reset_peak_memory()
+    tic = time.perf_counter()
+    fill = synthetic_fill if opts.fill == "synthetic" else prefill
+    logits = fill(model, prompt, cache, opts.prefill_step, after_call, tic + budget)
+    prefill_s = time.perf_counter() - tic
+    peak = mx.get_peak_memory()
+    kv_bytes = sum(c.nbytes for c in cache)
+    row.update(
+        page_size=KVStore.page_size if scheme.kind == "ours" else None,
+        active_before_bytes=active,
+        kv_bytes=kv_bytes,
+        peak_bytes=peak,
+        workspace_bytes=peak - active - kv_bytes,
+        prefill_s=prefill_s,
+        prefill_tok_s=context * batch / prefill_s,
+    )
+    mx.reset_peak_memory()
+    deadline = time.perf_counter() + max(budget - prefill_s, 0)
+    try:
+        first = None
+        for mode in modes:
+            if mode == "sync":
+                sync_steps = steps[:n_decode]
+                times, first = decode(model, cache, sync_steps, after_call, deadline)
+            else:
+                start = n_decode if "sync" in modes else 0
+                times = decode_pipelined(
+                    model,
+                    cache,
+                    steps[start : start + n_decode + 1],
+                    after_call,
+                    deadline,
+                )
+            key = DECODE_KEYS[mode]
+            add_decode_times(row, times, opts.decode_warmup, key, batch)
+    # upstream's decode attention raises on CUDA: keep the prefill numbers
+    except Exception as e:  # noqa: BLE001
+        row["decode_error"] = f"{type(e).__name__}: {e}"
+        add_errors(row, setup, scheme, context, logits, None)
+        return row
+    row["decode_peak_bytes"] = mx.get_peak_memory()
     add_floor(row, setup)
     add_errors(row, setup, scheme, context, logits, first)
     return row

@@ -1,24 +1,16 @@
-"""Decode speed through mlx-lm's own generation loop (GPU machine).
+"""First token and decode speed through mlx-lm's own generation loop (GPU machine).
 
 ``generate_step`` (what ``mlx_lm.generate`` and ``stream_generate`` run)
 over a random prompt at a bench preset's shape, with random 4-bit weights:
 time to the first token (prefill) and decode tokens/s after it, per KV
-scheme, side by side in one process. Schemes: ``fp16`` or ``B`` / ``KB,VB``
-(``kv_bits``, quantized from the first token); ``/h0`` quantizes each decode
-token as it comes (``QuantizedKVCache.decode_buffer = 0``, codebook caches
-too), ``/slices`` has codebook caches write each held token into their
-buffer as it comes instead of their decode kernel (``kernel_writes_held``),
-``/r0`` leaves the cache unreserved (pages of 4,096 tokens as they fill),
-``/clear`` empties MLX's buffer cache once the first token is out
-(what the prefill's freed buffers do to decode), ``/qmm`` has the CPU
-multiply a prefill's tiles by ``mx.quantized_matmul`` (before patch 0026,
-which multiplies them dequantized). ``codebook-...``
-names (``omlx_cache.schemes``, e.g. ``codebook-3``, ``codebook-3k-4v``) build
-``CodebookKVCache``s whose first page holds what ``generate_step`` reserves
-for a quantized cache (the prompt plus at most 4,096 new tokens; ``/r0``:
-pages of 4,096 tokens).
+scheme, side by side in one process. Schemes: ``fp16`` (mlx-lm's own
+caches), ``upstream-B`` (mlx-lm's ``kv_bits``, as the patched release
+quantizes), or any ``omlx_cache.kv.spec`` scheme (``4``, ``8,4``,
+``bits=4 rotate=none first=0``, ``codec=codebook bits=3``...), whose stores
+reserve the prompt and up to 4,096 new tokens, as ``generate_step`` does.
+A scheme may end in ``/ops``: the MLX-ops attention only (no CUDA kernel).
 
-    python3 scripts/gpu/generate_speed.py --contexts 32768 --schemes fp16 8,4 8,4/r0 \\
+    python3 scripts/gpu/generate_speed.py --contexts 32768 --schemes fp16 8,4 4 \\
         --out $OUT/generate-speed.json
 """
 
@@ -31,88 +23,25 @@ import time
 
 import mlx.core as mx
 from mlx_lm.generate import generate_step
-from mlx_lm.models import base, quantized_prefill
-from mlx_lm.models.cache import QuantizedKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 
 from omlx_cache import bench
-from omlx_cache.codebook import CodebookKVCache
-from omlx_cache.schemes import get_scheme
-
-
-def parse(name: str):
-    """(kv_bits or None, decode_buffer or None, reserve or None, kept first
-    tokens, residual): options after the bits are ``h0`` (no held decode
-    tokens), ``r0`` (no reservation), ``xN`` (``--kv-keep-exact N``),
-    ``resN`` (``--kv-residual N``), and ``slices``, ``clear`` and ``nocopy``,
-    which ``make_cache`` and ``run`` read from the name (``nocopy``: prefill
-    without patch 0020's dequantized copy: the fused kernel or the MLX-ops
-    path)."""
-    base, *options = name.split("/")
-    bits = None
-    if base != "fp16" and not base.startswith("codebook"):
-        bits = tuple(int(b) for b in base.split(","))
-        bits = bits if len(bits) == 2 else bits[0]
-    held = 0 if "h0" in options else None
-    reserve = 0 if "r0" in options else None
-    counts = {"x": 0, "res": 0}
-    unknown = set(options) - {"h0", "slices", "r0", "nocopy", "clear", "qmm"}
-    for option in sorted(unknown):
-        for prefix in counts:
-            if option.startswith(prefix) and option[len(prefix) :].isdigit():
-                counts[prefix] = int(option[len(prefix) :])
-                unknown.discard(option)
-    if unknown:
-        raise ValueError(f"unknown scheme options {sorted(unknown)} in {name!r}")
-    return bits, held, reserve, counts["x"], counts["res"]
-
-
-@contextlib.contextmanager
-def cpu_quantized_matmul(on: bool):
-    """Prefill tiles multiplied by ``mx.quantized_matmul`` on the CPU (on), or
-    dequantized as patch 0026 has them (as is)."""
-    rows = base.CPU_DEQUANTIZED_ROWS
-    base.CPU_DEQUANTIZED_ROWS = 1 << 30 if on else rows
-    try:
-        yield
-    finally:
-        base.CPU_DEQUANTIZED_ROWS = rows
-
-
-@contextlib.contextmanager
-def prefill_copy(on: bool):
-    """Patch 0020's dequantized prefill copy on (as is) or off."""
-    budget = quantized_prefill.DECODED_BYTES
-    quantized_prefill.DECODED_BYTES = budget if on else 0
-    try:
-        yield
-    finally:
-        quantized_prefill.DECODED_BYTES = budget
+from omlx_cache.kv import kernels
+from omlx_cache.kv.spec import KVSpec
 
 
 def make_cache(model, name, context, tokens):
-    """The prompt cache for scheme ``name`` (``generate_step``'s own for the
-    affine schemes, with their options) and its ``kv_bits``."""
-    bits, held, reserve, keep_exact, residual = parse(name)
-    if name.startswith("codebook"):
-        cache = get_scheme(name.split("/")[0]).make_cache(model)
-        for c in cache:
-            if reserve == 0:
-                c.page_size = CodebookKVCache.page_size
-            else:
-                c.page_size = context + min(tokens, 4096)
-            if held == 0:
-                c.decode_buffer = 0
-            c.kernel_writes_held = "slices" not in name.split("/")
-    else:
-        cache = make_prompt_cache(
-            model, kv_bits=bits, kv_keep_exact=keep_exact, kv_residual=residual
-        )
-        for c in cache:
-            if reserve is not None:
-                c.reserve = reserve
-            if held is not None and isinstance(c, QuantizedKVCache):
-                c.decode_buffer = held
-    return cache, bits
+    """The prompt cache for scheme ``name`` and the ``kv_bits`` to pass."""
+    base = name.split("/")[0]
+    if base == "fp16":
+        return make_prompt_cache(model), None
+    if base.startswith("upstream-"):
+        return make_prompt_cache(model), int(base.removeprefix("upstream-"))
+    cache = KVSpec.parse(base).make_cache(model)
+    for c in cache:
+        # as generate_step reserves the generation's page
+        c.reserve = context + min(tokens, 4096)
+    return cache, None
 
 
 def generation(model, prompt, cache, bits, tokens):
@@ -133,13 +62,11 @@ def run(model, name, context, tokens, vocab):
     mx.clear_cache()
     mx.reset_peak_memory()
     times = []
-    options = name.split("/")
-    with prefill_copy("nocopy" not in options), cpu_quantized_matmul("qmm" in options):
+    ops = kernels.disabled() if name.endswith("/ops") else contextlib.nullcontext()
+    with ops:
         start = time.perf_counter()
         for _ in generation(model, prompt, cache, bits, tokens):
             times.append(time.perf_counter())
-            if len(times) == 1 and "clear" in options:
-                mx.clear_cache()
     steps = [b - a for a, b in itertools.pairwise(times)]
     return {
         "context": context,
@@ -150,9 +77,7 @@ def run(model, name, context, tokens, vocab):
         # steps over their total time: what a generation gets, as a pipelined
         # loop's steps alternate long and short
         "decode_tok_s_all_steps": len(steps) / (times[-1] - times[0]),
-        "pages": len(cache[0].key_pages)
-        if isinstance(cache[0], (QuantizedKVCache, CodebookKVCache))
-        else None,
+        "pages": len(getattr(cache[0], "key_pages", [])) or None,
         "peak_gib": mx.get_peak_memory() / 2**30,
         "steps_ms": [round(1e3 * x, 3) for x in steps],
     }
