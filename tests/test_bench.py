@@ -3,10 +3,10 @@
 import json
 
 import pytest
-from mlx_lm.models import base
-from mlx_lm.models.cache import QuantizedKVCache
 
 from omlx_cache import bench
+from omlx_cache.kv import attention
+from omlx_cache.kv.store import KVStore
 
 TINY = {
     "config": {
@@ -24,7 +24,7 @@ TINY = {
     "contexts": (512, 1024),
 }
 
-SCHEMES = ["fp16", "upstream-4", "upstream-4@640", "4", "8,4+reserve"]
+SCHEMES = ["fp16", "upstream-4", "upstream-4@640", "4", "8,4"]
 MIB = 1 << 20
 
 
@@ -37,7 +37,7 @@ def run(tmp_path_factory):
     args = ["--preset", "test-tiny", "--schemes", *SCHEMES, "--tile-scores", "4096"]
     args += ["--prefill-step", "128", "--page-size", "256"]
     args += ["--decode-tokens", "3", "--decode-warmup", "1"]
-    args += ["--sweep-context", "512", "--sweep-schemes", "4/p128"]
+    args += ["--sweep-context", "512", "--sweep-schemes", "bits=4 first=0"]
     args += ["--out", str(out / "bench.json"), "--plot-dir", str(out)]
     try:
         bench.main(args)
@@ -55,7 +55,7 @@ def row(report, context, scheme):
 def test_rows(run):
     report, _ = run
     expected = {(c, s) for c in TINY["contexts"] for s in SCHEMES}
-    expected.add((512, "4/p128"))
+    expected.add((512, "bits=4 first=0"))
     assert {(r["context"], r["scheme"]) for r in report["rows"]} == expected
     for r in report["rows"]:
         assert "error" not in r and "skipped" not in r, r
@@ -66,11 +66,10 @@ def test_rows(run):
     assert report["weights_bytes"] > 0
     assert report["running"] is None
     assert report["preset"]["name"] == "test-tiny"
-    assert row(report, 512, "4/p128")["page_size"] == 128
     assert row(report, 1024, "4")["page_size"] == 256
-    # the page size is restored after the run
-    assert QuantizedKVCache.page_size == 4096
-    assert base.QUANTIZED_SDPA_TILE_SCORES is None
+    # the page size and tile are restored after the run
+    assert KVStore.page_size == 4096
+    assert attention.TILE_SCORES is None
     assert report["tile_scores"] == 4096
 
 
@@ -108,7 +107,7 @@ def test_upstream_workspace_grows(run):
 def test_table_and_plots(run):
     report, out = run
     text = bench.report_markdown(report)
-    assert "| context | scheme |" in text and "Page-size sweep at 512 tokens" in text
+    assert "| context | scheme |" in text and "Sweep at 512 tokens" in text
     for scheme in SCHEMES:
         assert f"| 1024 | {scheme} |" in text
     pytest.importorskip("matplotlib")
@@ -117,17 +116,16 @@ def test_table_and_plots(run):
 
 
 def test_parse_scheme():
-    scheme = bench.parse_scheme("8,4+reserve/p1024")
-    assert (scheme.kind, scheme.bits, scheme.reserve) == ("ours", (8, 4), True)
-    assert scheme.page_size == 1024 and scheme.counterpart == "upstream-4"
+    scheme = bench.parse_scheme("8,4")
+    assert (scheme.kind, scheme.bits) == ("ours", (8, 4))
+    assert scheme.counterpart == "upstream-4"
     late = bench.parse_scheme("upstream-4@5000")
     assert (late.kind, late.bits, late.quantized_start) == ("upstream", (4, 4), 5000)
     assert bench.parse_scheme("fp16").kind == "fp"
-    held = bench.parse_scheme("4/p128/h0")
-    assert (held.page_size, held.decode_buffer) == (128, 0)
-    assert bench.parse_scheme("8,4").decode_buffer is None
-    with pytest.raises(ValueError):
-        bench.parse_scheme("7")
+    assert bench.parse_scheme("codec=codebook bits=3").counterpart is None
+    for bad in ("7", "8,4+reserve", "cq4"):
+        with pytest.raises(ValueError):
+            bench.parse_scheme(bad)
 
 
 def test_merge(run, tmp_path):
@@ -179,15 +177,14 @@ def test_decode_error_keeps_prefill(tmp_path, monkeypatch):
     assert "| error |" in bench.report_markdown(report)
 
 
-def test_named_schemes(tmp_path):
-    assert bench.parse_scheme("codebook-3k-4v+center").kind == "named"
-    assert bench.parse_scheme("4+rotate").counterpart is None
-    with pytest.raises(ValueError, match="Unknown KV cache scheme"):
-        bench.parse_scheme("codebook-3x")
-    report = tiny_run(tmp_path, "--schemes", "fp16", "codebook-3", "4+rotate+center")
+def test_other_schemes(tmp_path):
+    with pytest.raises(ValueError, match="Unknown scheme item"):
+        bench.parse_scheme("codebook=3")
+    names = ("codec=codebook bits=3", "bits=4 center=k")
+    report = tiny_run(tmp_path, "--schemes", "fp16", *names)
     for r in report["rows"]:
         assert "error" not in r and r["decode_tok_s"] > 0, r
-    for name in ("codebook-3", "4+rotate+center"):
+    for name in names:
         r = bench.find(report["rows"], 512, name)
         assert r["prefill_logits_rel_err"] < 0.5 and r["kv_bytes"] > 0
 
@@ -210,26 +207,11 @@ def test_decode_modes(tmp_path):
     assert "pipelined tok/s, all steps" in text
 
 
-def test_decode_buffer(tmp_path):
-    # decode tokens held unquantized (/h4) or not (/h0): on the CPU attention
-    # quantizes the held ones first, so the decode logits are the same; the
-    # class default is restored after the run
-    report = tiny_run(
-        tmp_path, "--schemes", "fp16", "8,4/h0", "8,4/h4", "--decode-mode", "sync"
-    )
-    errors = [
-        bench.find(report["rows"], 512, name)["decode_logits_rel_err"]
-        for name in ("8,4/h0", "8,4/h4")
-    ]
-    assert errors[0] == errors[1] and 0 < errors[0] < 0.5
-    assert QuantizedKVCache.decode_buffer is None
-
-
 @pytest.mark.parametrize("fill", ["prefill", "synthetic"])
 def test_batch(tmp_path, fill):
     # two left-padded sequences in mlx-lm's batch caches; a scheme without a
     # batch cache is refused by name
-    args = ["--schemes", "fp16", "8,4", "4+rotate", "--batch", "2", "--fill", fill]
+    args = ["--schemes", "fp16", "8,4", "upstream-4", "--batch", "2", "--fill", fill]
     args += ["--page-size", "256"]
     report = tiny_run(tmp_path, *args)
     fp, ours, named = (bench.find(report["rows"], 512, s, fill) for s in bench_names())
@@ -239,9 +221,9 @@ def test_batch(tmp_path, fill):
     assert ours["kv_bytes"] < fp["kv_bytes"]
     if fill == "prefill":
         assert ours["prefill_logits_rel_err"] < 0.5
-    assert "4+rotate" in named["error"] and "--batch" in named["error"]
+    assert "upstream-4" in named["error"] and "--batch" in named["error"]
     assert "2 sequences per step" in bench.report_markdown(report)
 
 
 def bench_names():
-    return ("fp16", "8,4", "4+rotate")
+    return ("fp16", "8,4", "upstream-4")

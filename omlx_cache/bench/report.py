@@ -158,7 +158,8 @@ def report_markdown(report: dict) -> str:
 
 
 def fill_tables(rows: list[dict], weights_bytes: int) -> list[str]:
-    """The grid, then the page-size sweep with the grid's rows at its context."""
+    """The grid, then the sweep (more schemes at one context) with the grid's rows
+    at its context."""
     grid = [r for r in rows if not r["sweep"]]
     sweep = [r for r in rows if r["sweep"]]
     lines = markdown_table(grid, weights_bytes) if grid else []
@@ -169,7 +170,7 @@ def fill_tables(rows: list[dict], weights_bytes: int) -> list[str]:
             for r in grid
             if r["context"] == context and parse_scheme(r["scheme"]).kind == "ours"
         ]
-        lines += ["", f"Page-size sweep at {context} tokens", ""]
+        lines += ["", f"Sweep at {context} tokens", ""]
         lines += markdown_table(same + sweep, weights_bytes, rows)
     return lines
 
