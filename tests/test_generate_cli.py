@@ -6,7 +6,6 @@ import pytest
 from omlx_cache import generate as kv_generate
 
 
-
 @pytest.fixture(scope="module")
 def model_dir(smollm2_dirs):
     return str(smollm2_dirs[1])
