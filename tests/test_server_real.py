@@ -309,10 +309,10 @@ def test_bounded_server_keeps_first_tokens(fresh_server):
 
 
 def test_scheme_served_through_kv_cache_hook(fresh_server):
-    # the default, q4 (weighted keys, a recent window): served one request at
-    # a time, with fp16's greedy answers to these questions
+    # q4 (weighted keys, a recent window), with fp16's greedy answers to
+    # these questions
     fp16 = [ask(fresh_server(), q) for q in QUESTIONS]
-    url = fresh_server("--kv-cache", "omlx")
+    url = fresh_server("--kv-cache", "omlx", "--kv-cache-config", "q4")
     with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
         together = list(pool.map(lambda q: ask(url, q), QUESTIONS))
     assert together == fp16
@@ -321,7 +321,7 @@ def test_scheme_served_through_kv_cache_hook(fresh_server):
 def test_batchable_scheme_is_batched(fresh_server, tokenizer):
     # centered keys without weights merge into a batch
     assert_batched_as_alone(
-        fresh_server("--kv-cache", "omlx", "--kv-cache-config", "8,4+center"),
+        fresh_server("--kv-cache", "omlx", "--kv-cache-config", "bits=8,4 center=k"),
         tokenizer,
     )
 
@@ -329,7 +329,10 @@ def test_batchable_scheme_is_batched(fresh_server, tokenizer):
 @pytest.mark.parametrize(
     "flags, error",
     [
-        (("--kv-cache-config", "4+centre"), "--kv-cache-config 4+centre: Unknown KV"),
+        (
+            ("--kv-cache-config", "bits=4 centre=k"),
+            "Unknown scheme item 'centre'",
+        ),
         (("--kv-bits", "4"), "makes the KV caches itself; leave out --kv-bits"),
         (("--kv-cache", "no-such-cache"), "'no-such-cache', but no installed package"),
     ],

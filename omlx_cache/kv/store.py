@@ -594,6 +594,12 @@ class BatchKVStore(KVStore):
         if self._right_padding is None:
             return
         self._flush()
+        # the held tokens move with the others: a residual's are written to
+        # the pages (and held again as decoding goes on)
+        self._release_all()
+        if not self.key_pages:
+            self._right_padding = None
+            return
         # the rows the roll brings to the front are older than any a window
         # still sees
         shift = self._right_padding[:, None]
