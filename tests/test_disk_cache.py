@@ -24,6 +24,8 @@ from tiny_llama import make_model
 from omlx_cache import unified_memory
 from omlx_cache.blocks import BadBlock, Plan, layout_of, read_block
 from omlx_cache.disk_cache import DiskPromptCache, check_directory, main
+from omlx_cache.kv import Affine, KVStore
+from omlx_cache.kv.kernels import Hold
 from omlx_cache.kv.spec import KVSpec
 
 B = 32  # tokens a block
@@ -223,6 +225,31 @@ def test_bad_held_block_is_skipped_and_removed(model, tokens, tmp_path, caplog):
     assert_goes_on_alike(model, tokens, cache, restored, n, 200)
     assert [r.getMessage() for r in caplog.records if victim.name in r.getMessage()]
     assert not victim.exists()
+
+
+def test_kernel_held_tokens_come_back_rotated(tmp_path):
+    """Decode tokens a kernel holds outside the codecs' rotated domains (as
+    CUDA's codebook kernel asks) are stored rotated, as a restored store
+    reads its held tokens: it attends as the stored one."""
+    mx.random.seed(0)
+    keys, values = (mx.random.normal((1, 2, 40, 64)) for _ in range(2))
+    store = KVStore(Affine(4, 64, "hadamard"))
+    store.update_and_fetch(keys[:, :, :36], values[:, :, :36])
+    store.spans.hold = Hold(8, rotated=False)
+    for t in range(36, 40):
+        store.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    assert held_counts([store]) == [4] and not store.spans.rotated
+    t = tier(tmp_path)
+    t.insert(MODEL, list(range(40)), [store])
+    t.flush()
+    (restored,), n = tier(tmp_path).fetch(MODEL, list(range(41)), 0)
+    assert n == 40 and held_counts([restored]) == [4]
+    queries = mx.random.normal((1, 4, 1, 64))
+    expected, got = (
+        c.scaled_dot_product_attention(queries, None, None, scale=0.125, mask=None)
+        for c in (store, restored)
+    )
+    assert mx.array_equal(got, expected).item()
 
 
 def test_caches_it_cannot_store(model, tokens, tmp_path, caplog):
