@@ -403,7 +403,7 @@ class LayerState:
     (``parts``), and its settings."""
 
     cls: type
-    layout: "LinearLayout"
+    layout: "LinearLayout | StoreLayout"
     segments: list
     parts: dict  # kind: arrays per page
     plain: bool  # the state holds keys and values as arrays, not tuples

@@ -470,13 +470,13 @@ class DiskPromptCache:
                 if status == "slot" and not others:
                     block_rows = value
                 elif status == "whole":
-                    block_tensors, block_rows = value
+                    whole_tensors, block_rows = value
                 else:
                     break
                 if rows is not None and not follows(rows, block_rows):
                     break
                 if status == "whole":
-                    others.append(block_tensors)
+                    others.append(whole_tensors)
                 n, nbytes, rows = i + 1, nbytes + size, block_rows
         timer.seconds["blocks"] = time.perf_counter() - start
         if full == 0:  # the chain is one partial block
@@ -494,7 +494,7 @@ class DiskPromptCache:
         length = sum(count for _, count in chain[:n])
         try:
             caches = plan.build(arrays, length)
-        except (ValueError, TypeError, KeyError) as e:
+        except (ValueError, TypeError, KeyError, IndexError) as e:
             log.warning(f"disk prompt cache: cannot restore from {paths[0]}: {e}")
             return None
         return caches, length, n, nbytes
