@@ -2,25 +2,30 @@
 
 A block holds a fixed number of consecutive tokens of every layer's cache (a
 stored prefix's last block, its tail, may hold fewer). Its file is a
-safetensors file: the block's tokens (``tokens``, int64), for every
-layer ``n`` the slices of the cache's own arrays for those tokens
-(``n.keys.j``, ``n.values.j``: packed values, scales and biases of a quantized
-cache, keys and values of a float one) and the arrays among the cache's
-settings (``n.settings.j``, e.g. a centered cache's means). The metadata holds
-``format``, ``version``, ``key``, ``hash``, ``parent``, ``index``, ``tokens``
-(the block size), ``layers`` (JSON: each layer's cache class, layout, number
-of parts and settings) and ``crc32``, the CRC-32 of the whole file taken with
-that field's value zeroed.
+safetensors file: the block's tokens (``tokens``, int64), for every layer
+``n`` the slices of the cache's own arrays for those tokens (``n.KIND.j``:
+``n.keys.j`` and ``n.values.j``, the float keys and values of mlx-lm's
+caches or the encoded pages of a ``KVStore``; ``n.held_keys.0`` and
+``n.held_values.0``, a store's recent tokens held unquantized) and the arrays
+among the cache's settings (``n.settings.j``, e.g. a store's first tokens and
+means). The metadata holds ``format``, ``version``, ``key``, ``hash``,
+``parent``, ``index``, ``tokens`` (the block size), ``layers`` (JSON: each
+layer's cache class, layout, parts and settings) and ``crc32``, the CRC-32 of
+the whole file taken with that field's value zeroed.
 
 A block's ``hash`` is the SHA-256 of its parent's hash (the key's for the
 first block) and its tokens as little-endian int64, so a file can be checked on
-its own (``verify_block``) as well as against the chain it is read for.
+its own (``verify_block``) as well as against the chain it is read for. A block
+that holds a store's held tokens is named ``<hash>.held.safetensors``: once a
+longer prompt has them in its pages, its block (``<hash>.safetensors``) is
+taken first, and the held one ages out.
 
-Layouts say how a cache class's ``state`` maps to token slices and back:
-``LinearLayout`` for states ``(keys, values, offset, *settings)`` and
-``RingLayout`` for rotating caches that still hold every token in order.
-Restoring copies the blocks' slices into one array per part and rebuilds the
-caches with ``from_state``: nothing is quantized again.
+Layouts say how a cache class's ``state`` maps to token slices and back, in
+segments of rows: ``LinearLayout`` for ``KVCache`` (``keys, values,
+offset``), ``RingLayout`` for ``RotatingKVCache`` while it holds every token
+in order, ``StoreLayout`` for ``KVStore``: its pages' rows, then its held
+ones. Restoring copies the blocks' slices into one array per part and
+rebuilds the caches with ``from_state``: nothing is quantized again.
 """
 
 import functools
@@ -37,19 +42,23 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
+from mlx_lm.models.cache import KVCache, RotatingKVCache
 
-from . import center as _center  # noqa: F401  (defines the centered caches)
 from . import unified_memory
-from .codebook import CodebookKVCache, WindowedCodebookKVCache
+from .kv.rotation import rotate
+from .kv.store import BatchKVStore, KVStore
 
 FORMAT = "omlx-prefix-block"
 # 2: five-bit codebook indices stored as low and high bits (codebook.split_5bit)
-FORMAT_VERSION = 2
+# 3: omlx_cache.kv's KVStore (pages, held tokens); parts named n.KIND.j
+FORMAT_VERSION = 3
 SUFFIX = ".safetensors"
+# the name of a block with held tokens: <hash>.held.safetensors
+HELD = ".held"
+# the parts of held tokens
+HELD_KINDS = frozenset({"held_keys", "held_values"})
 CRC_FIELD = '"crc32":"{}"'
 NO_CRC = "00000000"
-
 # safetensors dtype: (mlx dtype, numpy dtype holding its bits)
 DTYPES = {
     "F32": (mx.float32, np.float32),
@@ -266,12 +275,34 @@ def read_block_into(path: Path, slot: memoryview, layout: tuple, names) -> tuple
     return metadata, tensor_views(slot, 0, layout, names), size
 
 
-def check_block(path: Path, metadata: dict, tensors: dict, key: str, parent, index):
+def block_name(block_hash: str, held: bool = False) -> str:
+    """The file name of a block (``held``: one with held tokens)."""
+    return block_hash + (HELD if held else "") + SUFFIX
+
+
+def name_hash(path: Path) -> tuple[str, bool]:
+    """(hash, whether it is named as a block with held tokens) of a block file."""
+    stem = path.name.removesuffix(SUFFIX)
+    return stem.removesuffix(HELD), stem.endswith(HELD)
+
+
+def holds_held(names) -> bool:
+    """Whether tensors of these names hold held tokens (``n.held_*.j``)."""
+    return any(
+        name.count(".") == 2 and name.split(".")[1] in HELD_KINDS for name in names
+    )
+
+
+def check_block(
+    path: Path, metadata: dict, tensors: dict, key: str, parent, index, held=None
+):
     """The metadata of a block read from ``path`` checked: the format, the
     key, the hash (the file's name, and the hash of the parent and the stored
-    tokens) and, when given, the parent and the index in the chain."""
+    tokens), whether the name says it holds held tokens as it does (``held``,
+    else read off ``tensors``' names) and, when given, the parent and the
+    index in the chain."""
     expected = {"format": FORMAT, "version": str(FORMAT_VERSION), "key": key}
-    expected["hash"] = path.name.removesuffix(SUFFIX)
+    expected["hash"], named_held = name_hash(path)
     if parent is not None:
         expected["parent"] = parent
     if index is not None:
@@ -284,6 +315,10 @@ def check_block(path: Path, metadata: dict, tensors: dict, key: str, parent, ind
         raise BadBlock("no tokens")
     if chain_hash(metadata.get("parent", ""), stored[1]) != expected["hash"]:
         raise BadBlock("its hash does not match its tokens")
+    if held is None:
+        held = holds_held(tensors)
+    if held != named_held:
+        raise BadBlock("its name does not say whether it holds held tokens")
 
 
 def verify_block(path: Path, key: str, parent: str | None = None, index=None):
@@ -352,13 +387,25 @@ def restore_settings(described: list, arrays: list) -> list:
 
 
 @dataclass
+class Segment:
+    """Rows ``start:stop`` of a layer, as pages of parts for each kind
+    (``{"keys": pages, "values": pages}``)."""
+
+    start: int
+    stop: int
+    kinds: dict
+
+
+@dataclass
 class LayerState:
-    """What the blocks store of one layer's cache."""
+    """What the blocks store of one layer's cache: its rows in segments (in
+    the order of its layout's ``segments``), the arrays each kind has per page
+    (``parts``), and its settings."""
 
     cls: type
-    layout: "LinearLayout"
-    keys: list  # pages of parts
-    values: list
+    layout: "LinearLayout | StoreLayout"
+    segments: list
+    parts: dict  # kind: arrays per page
     plain: bool  # the state holds keys and values as arrays, not tuples
     settings: list  # JSON-able, arrays as {"array": i}
     arrays: list
@@ -367,18 +414,35 @@ class LayerState:
         return {
             "class": self.cls.__name__,
             "layout": self.layout.name,
-            "keys": len(self.keys[0]),
-            "values": len(self.values[0]),
+            "parts": self.parts,
             "plain": self.plain,
             "settings": self.settings,
         }
 
+    def slices(self, start: int, stop: int) -> dict:
+        """{kind: one array per part} of rows ``start:stop``."""
+        out = {}
+        for s in self.segments:
+            lo, hi = max(start, s.start), min(stop, s.stop)
+            if lo < hi:
+                for kind, pages in s.kinds.items():
+                    out[kind] = token_slice(pages, lo - s.start, hi - s.start)
+        return out
+
+    def held(self, start: int, stop: int) -> bool:
+        """Whether rows ``start:stop`` include held ones."""
+        return any(
+            max(start, s.start) < min(stop, s.stop) and HELD_KINDS & s.kinds.keys()
+            for s in self.segments
+        )
+
 
 class LinearLayout:
     """Caches whose state is ``(keys, values, offset, *settings)``, token ``i``
-    at index ``i`` of axis -2."""
+    at index ``i`` of axis -2 (``KVCache``)."""
 
     name = "linear"
+    segments = (("keys", "values"),)
 
     def length(self, cache) -> int:
         """Tokens held in order from the first (0: none usable)."""
@@ -394,27 +458,18 @@ class LinearLayout:
         settings, arrays = describe_settings(self.settings(state))
         keys, values = _parts(state[0]), _parts(state[1])
         plain = isinstance(state[0], mx.array)
-        return LayerState(type(cache), self, keys, values, plain, settings, arrays)
+        segment = Segment(0, self.length(cache), {"keys": keys, "values": values})
+        parts = {"keys": len(keys[0]), "values": len(values[0])}
+        return LayerState(type(cache), self, [segment], parts, plain, settings, arrays)
 
-    def build(self, cls, keys, values, length: int, settings: list):
+    def build(self, cls, parts: dict, length: int, settings: list, plain: bool):
+        keys, values = parts["keys"], parts["values"]
+        if plain:
+            keys, values = keys[0], values[0]
+        return self.from_state(cls, keys, values, length, settings)
+
+    def from_state(self, cls, keys, values, length, settings):
         return cls.from_state([keys, values, length, *settings])
-
-
-class QuantizedLayout(LinearLayout):
-    """``QuantizedKVCache`` and its subclasses: with a residual, the recent
-    tokens are held apart from the pages (state items 10 and 11), so the
-    blocks take the tokens before them and a restored cache holds none; the
-    server computes the rest again."""
-
-    def length(self, cache) -> int:
-        length = super().length(cache)  # reads the state: a pending write lands
-        return length - cache._n_held if getattr(cache, "residual", 0) else length
-
-    def settings(self, state) -> list:
-        settings = list(state[3:])
-        if len(state) > 11 and state[9]:
-            settings[7] = settings[8] = None
-        return settings
 
 
 class RingLayout(LinearLayout):
@@ -436,39 +491,136 @@ class RingLayout(LinearLayout):
         settings[2] = None  # the ring index: the restored length
         return settings
 
-    def build(self, cls, keys, values, length: int, settings: list):
+    def from_state(self, cls, keys, values, length, settings):
         keep, max_size, _, *rest = settings
         return cls.from_state([keys, values, length, keep, max_size, length, *rest])
 
 
+class StoreLayout:
+    """``KVStore``: rows ``0:written`` are the pages' (encoded, kept so: never
+    quantized again), rows ``written:idx`` the held ones (a residual's, or a
+    kernel's decode tokens), unquantized in the codecs' rotated domains. The
+    first tokens kept unquantized, the transform's arrays and the settings
+    (JSON) are the layer's settings. A store that dropped pages (a window)
+    has no prefix from its first token: nothing to store (length 0)."""
+
+    name = "store"
+    segments = (("keys", "values"), ("held_keys", "held_values"))
+
+    def length(self, store) -> int:
+        if store.empty():
+            return 0
+        _, idx, _, dropped, _ = _rows(store.state)
+        return 0 if dropped else idx
+
+    def split(self, store) -> LayerState:
+        state = store.state
+        key_pages, value_pages = state[:2]
+        first_keys, first_values, held_keys, held_values = state[2:6]
+        _, idx, written, dropped, n_held = _rows(state)
+        if dropped:
+            raise ValueError("KV stores that dropped pages (a window)")
+        segments = [
+            Segment(0, written, {"keys": key_pages, "values": value_pages}),
+        ]
+        if n_held:
+            held_keys, held_values = (
+                x[:, :, :n_held] for x in (held_keys, held_values)
+            )
+            if not store.spans.rotated:
+                # a kernel's buffer: restored stores hold theirs rotated
+                held_keys = rotate(held_keys, store.key_codec.rotation)
+                held_values = rotate(held_values, store.value_codec.rotation)
+            segments.append(
+                Segment(
+                    written,
+                    idx,
+                    {"held_keys": [(held_keys,)], "held_values": [(held_values,)]},
+                )
+            )
+        settings = [first_keys, first_values, *state[6:9], state[14]]
+        settings, arrays = describe_settings(settings)
+        parts = {
+            "keys": store.key_codec.parts,
+            "values": store.value_codec.parts,
+            "held_keys": 1,
+            "held_values": 1,
+        }
+        return LayerState(type(store), self, segments, parts, False, settings, arrays)
+
+    def build(self, cls, parts: dict, length: int, settings: list, plain: bool):
+        first_keys, first_values, key_mean, value_mean, key_weights, text = settings
+        page_size = int(json.loads(text)["page_size"])
+        keys, values = parts.get("keys"), parts.get("values")
+        written = keys[0].shape[-2] if keys else 0
+        held_keys, held_values = (
+            parts[kind][0] if kind in parts else None
+            for kind in ("held_keys", "held_values")
+        )
+        state = (
+            _paged(keys, page_size),
+            _paged(values, page_size),
+            first_keys,
+            first_values,
+            held_keys,
+            held_values,
+            key_mean,
+            value_mean,
+            key_weights,
+            length,
+            length,
+            written,
+            0,
+            length - written,
+            text,
+        )
+        return cls.from_state(state)
+
+
+def _rows(state) -> list:
+    """(offset, idx, written, dropped, n_held) of a ``KVStore`` state."""
+    return [int(x) for x in state[9:14]]
+
+
+def _paged(parts, page_size: int) -> list:
+    """Rows (one array per part) as a store's pages of ``page_size`` rows,
+    the last one padded with zero rows (as a store allocates them: attention
+    tiles follow the pages)."""
+    if not parts:
+        return []
+    n = parts[0].shape[-2]
+    pages = []
+    for start in range(0, n, page_size):
+        page = tuple(x[..., start : start + page_size, :] for x in parts)
+        short = page_size - page[0].shape[-2]
+        if short:
+            pad = [(0, 0)] * (page[0].ndim - 2) + [(0, short), (0, 0)]
+            page = tuple(mx.pad(x, pad) for x in page)
+        pages.append(page)
+    return pages
+
+
 LAYOUTS = {
     KVCache: LinearLayout(),
-    QuantizedKVCache: QuantizedLayout(),
-    CodebookKVCache: LinearLayout(),
     RotatingKVCache: RingLayout(),
-    # its first tokens are gone once it drops pages: no prefix to store
-    WindowedCodebookKVCache: None,
+    KVStore: StoreLayout(),
+    # a batch is never a prompt's cache
+    BatchKVStore: None,
 }
 
 
 def layout_of(cls):
-    """The layout of a cache class (its nearest base listed in ``LAYOUTS``),
-    or None (no base listed, or listed with none)."""
-    for base in cls.__mro__:
-        if base in LAYOUTS:
-            return LAYOUTS[base]
-    return None
+    """The layout of a cache class (listed in ``LAYOUTS``: a subclass may hold
+    another state), or None."""
+    return LAYOUTS.get(cls)
 
 
 def cache_class(name: str):
-    """The class of that name among those with a layout and their subclasses
-    defined so far (never an import named by a file), or None."""
-    todo = list(LAYOUTS)
-    while todo:
-        cls = todo.pop(0)
-        if cls.__name__ == name:
+    """The class of that name among those with a layout (never an import
+    named by a file), or None."""
+    for cls, layout in LAYOUTS.items():
+        if layout is not None and cls.__name__ == name:
             return cls
-        todo.extend(cls.__subclasses__())
     return None
 
 
@@ -477,8 +629,8 @@ def block_tensors(layers: list, tokens, start: int, stop: int) -> dict:
     numpy array)}), evaluated in the calling thread."""
     slices = {}
     for n, layer in enumerate(layers):
-        for kind, pages in (("keys", layer.keys), ("values", layer.values)):
-            for j, x in enumerate(token_slice(pages, start, stop)):
+        for kind, parts in layer.slices(start, stop).items():
+            for j, x in enumerate(parts):
                 slices[f"{n}.{kind}.{j}"] = x
         for j, x in enumerate(layer.arrays):
             slices[f"{n}.settings.{j}"] = x
@@ -488,48 +640,71 @@ def block_tensors(layers: list, tokens, start: int, stop: int) -> dict:
     return tensors
 
 
-class Plan:
-    """Restoring a chain of blocks (full ones, the last possibly partial), and
-    what every block must share with the first (tensor layout, classes and
-    settings).
+def _span(rows: tuple) -> tuple[int, int]:
+    """(first, last) segment a layer's block has rows in."""
+    filled = [i for i, n in enumerate(rows) if n]
+    return (filled[0], filled[-1]) if filled else (len(rows), 0)
 
-    The data of every full block (its bytes after the header) is read straight
-    into a row of host memory (``allocate``, ``slot``: MLX arrays, zeroed on
-    CPU streams, written through numpy views); ``assemble`` then cuts each
-    part out of the rows with a few MLX ops per part (on the GPU where there is
-    one), so no Python runs per block and part. ``slot`` waits for
-    ``allocate``, so blocks can be opened meanwhile."""
+
+def follows(before: tuple, after: tuple) -> bool:
+    """Whether a block whose layers have ``after`` rows in each segment can
+    follow one with ``before``: no layer's rows go back to an earlier segment
+    (a store's pages' rows after its held ones)."""
+    return all(_span(b)[1] <= _span(a)[0] for b, a in zip(before, after))
+
+
+class Plan:
+    """Restoring a chain of blocks, and what every block must share with the
+    first (classes and settings).
+
+    The data of every full block of the first's tensor layout (its bytes after
+    the header) is read straight into a row of host memory (``allocate``,
+    ``slot``: MLX arrays, zeroed on CPU streams, written through numpy
+    views); ``assemble`` then cuts each part out of the rows with a few MLX
+    ops per part (on the GPU where there is one), so no Python runs per block
+    and part. ``slot`` waits for ``allocate``, so blocks can be opened
+    meanwhile. The blocks after those (a last, partial one; blocks whose
+    layers split their rows otherwise between pages and held tokens) are read
+    whole and joined after them."""
 
     def __init__(self, metadata: dict, tensors: dict):
         self.layers_text = metadata["layers"]
         self.described = json.loads(self.layers_text)
-        first = len(tensors["tokens"][1])
-        self.layers = []
-        self.parts = {}  # part name ("n.keys.j"): (dtype, shape in a block)
+        self.layers = []  # (cls, layout, description, segments, settings)
+        self.shapes = {}  # part name: (dtype, its shape but the tokens' axis)
         for n, d in enumerate(self.described):
             cls = cache_class(d["class"])
             layout = None if cls is None else layout_of(cls)
             if layout is None or layout.name != d["layout"]:
                 raise BadBlock(f"unknown cache class {d['class']!r}")
-            names = {}
-            for kind in ("keys", "values"):
-                names[kind] = [f"{n}.{kind}.{j}" for j in range(int(d[kind]))]
-                for name in names[kind]:
-                    dtype, x = tensors[name]
-                    if x.ndim < 2 or x.shape[-2] != first:
-                        raise BadBlock(f"{name} does not hold {first} tokens")
-                    self.parts[name] = (dtype, x.shape)
+            counts = d["parts"]
+            if set(counts) != {kind for kinds in layout.segments for kind in kinds}:
+                raise ValueError
+            segments = [
+                {
+                    kind: [f"{n}.{kind}.{j}" for j in range(int(counts[kind]))]
+                    for kind in kinds
+                }
+                for kinds in layout.segments
+            ]
             settings, j = [], 0
             while f"{n}.settings.{j}" in tensors:
                 settings.append(tensors[f"{n}.settings.{j}"])
                 j += 1
-            self.layers.append((cls, d, names, settings))
+            self.layers.append((cls, layout, d, segments, settings))
+        self.first_rows = self.block_rows(tensors)
+        self.held = holds_held(tensors)
         self.layout, offset = [], 0
         for name, (dtype, x) in tensors.items():
             self.layout.append((name, dtype, x.shape, offset, offset + x.nbytes))
             offset += x.nbytes
         self.layout = tuple(self.layout)
         self.offsets = {name: (a, b) for name, _, _, a, b in self.layout}
+        self.parts = {
+            name: (dtype, x.shape)
+            for name, (dtype, x) in tensors.items()
+            if name in self.shapes
+        }
         self.small = {name for name in tensors if name not in self.parts}
         self.rows = []  # MLX uint8 arrays of (blocks, data bytes)
         self.views = []
@@ -541,8 +716,41 @@ class Plan:
         """The plan from the chain's first block."""
         try:
             return cls(metadata, tensors)
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise BadBlock(f"bad layer description ({type(e).__name__})") from None
+
+    def block_rows(self, tensors: dict) -> tuple:
+        """Each layer's rows in each segment of a block's ``tensors``; BadBlock
+        unless the parts of a segment hold the same rows, all segments the
+        block's tokens, and each part the dtype and shape (but the rows) it has
+        in the blocks before."""
+        count = len(tensors["tokens"][1])
+        rows = []
+        for n, (_, _, _, segments, _) in enumerate(self.layers):
+            layer = []
+            for kinds in segments:
+                found = set()
+                for names in kinds.values():
+                    for name in names:
+                        found.add(self._part_rows(tensors.get(name), name))
+                if len(found) != 1:
+                    raise BadBlock(f"layer {n}'s arrays do not hold the same tokens")
+                layer.append(found.pop())
+            if sum(layer) != count:
+                raise BadBlock(f"layer {n}'s arrays do not hold {count} tokens")
+            rows.append(tuple(layer))
+        return tuple(rows)
+
+    def _part_rows(self, part, name: str) -> int:
+        if part is None:
+            return 0
+        dtype, x = part
+        if x.ndim < 2:
+            raise BadBlock(f"{name} has no tokens' axis")
+        shape = (dtype, x.shape[:-2] + x.shape[-1:])
+        if self.shapes.setdefault(name, shape) != shape:
+            raise BadBlock("its arrays do not match the first block's")
+        return x.shape[-2]
 
     def allocate(self, n_blocks: int):
         """Host memory for the data of ``n_blocks`` full blocks: zeroed by
@@ -573,12 +781,12 @@ class Plan:
     def read(self, path: Path, i: int) -> tuple | None:
         """Full block ``i`` read into its slot (``read_block_into``): its
         metadata, tokens and settings, and size; None for a block of another
-        layout."""
+        tensor layout."""
         return read_block_into(path, self.slot(i), self.layout, self.small)
 
     def matches(self, metadata: dict, tensors: dict) -> bool:
         """Whether a later block has the first's classes and settings (a block
-        of another sequence with other settings, e.g. a centered cache's means,
+        of another sequence with other settings, e.g. a centered store's means,
         ends the chain without being a fault)."""
         text = metadata.get("layers")
         if text != self.layers_text:
@@ -588,7 +796,7 @@ class Plan:
                 raise BadBlock("bad layer description") from None
             if described != self.described:
                 return False
-        for n, (_, _, _, settings) in enumerate(self.layers):
+        for n, (*_, settings) in enumerate(self.layers):
             for j, (dtype, x) in enumerate(settings):
                 other = tensors.get(f"{n}.settings.{j}")
                 if (
@@ -599,22 +807,11 @@ class Plan:
                     return False
         return True
 
-    def check_tail(self, tensors: dict):
-        """BadBlock unless a last, partial block's parts fit the others'."""
-        count = len(tensors["tokens"][1])
-        try:
-            for name, (dtype, shape) in self.parts.items():
-                got, x = tensors[name]
-                fits = x.shape[:-2] == shape[:-2] and x.shape[-1] == shape[-1]
-                if got != dtype or not fits or x.shape[-2] != count:
-                    raise ValueError
-        except (KeyError, ValueError):
-            raise BadBlock("its arrays do not match the first block's") from None
-
-    def assemble(self, n_blocks: int, tail: dict | None = None) -> dict:
+    def assemble(self, n_blocks: int, others: list = ()) -> dict:
         """Every part's array ({name: MLX array}) of the first ``n_blocks``
-        full blocks, then ``tail``'s (a last, partial block's tensors), in
-        their stored types; the host rows are released."""
+        full blocks (read into slots), then of the blocks ``others`` (their
+        tensors, read whole), in their stored types; the host rows are
+        released. A part no block has is left out."""
         rows, left = [], n_blocks
         for x in self.rows:
             if left <= 0:
@@ -624,13 +821,15 @@ class Plan:
         # on CUDA the rows move to the GPU at once, not a page fault at a time
         unified_memory.prefetch_to_gpu(self.rows[: len(rows)])
         arrays = {}
-        for name, (dtype, shape) in self.parts.items():
-            pieces = [self._cut(x, name, dtype, shape) for x in rows]
-            if tail is not None:
-                pieces.append(to_mlx(*tail[name]))
+        for name in self.shapes:
+            pieces = []
+            if name in self.parts:
+                dtype, shape = self.parts[name]
+                pieces = [self._cut(x, name, dtype, shape) for x in rows]
+            pieces += [to_mlx(*t[name]) for t in others if name in t]
             if len(pieces) > 1:
                 arrays[name] = mx.concatenate(pieces, axis=-2)
-            else:
+            elif pieces:
                 arrays[name] = mx.contiguous(pieces[0])
         mx.eval(list(arrays.values()))
         self.rows, self.views = [], []
@@ -648,15 +847,15 @@ class Plan:
     def build(self, arrays: dict, length: int) -> list:
         """The caches of ``length`` tokens from the parts' ``arrays``."""
         caches = []
-        for cls, d, names, settings in self.layers:
-            keys, values = (
-                tuple(arrays[name] for name in names[kind])
-                for kind in ("keys", "values")
-            )
-            if d["plain"]:
-                keys, values = keys[0], values[0]
+        for cls, layout, d, segments, settings in self.layers:
+            parts = {
+                kind: tuple(arrays[name] for name in names)
+                for kinds in segments
+                for kind, names in kinds.items()
+                if names and all(name in arrays for name in names)
+            }
             settings = restore_settings(d["settings"], [to_mlx(*s) for s in settings])
-            caches.append(layout_of(cls).build(cls, keys, values, length, settings))
+            caches.append(layout.build(cls, parts, length, settings, d["plain"]))
         return caches
 
 

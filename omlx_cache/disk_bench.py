@@ -2,7 +2,9 @@
 after a restart, and hit rates of a conversation across restarts.
 
 ``server`` runs the real ``mlx_lm.server`` on a converted model (CPU:
-SmolLM2 float32) for each KV scheme:
+SmolLM2 float32) for each KV scheme (``--schemes``: ``fp16``, the model's own
+caches, or a scheme of ``omlx_cache.kv.spec``, served with ``--kv-cache omlx
+--kv-cache-config SCHEME``):
 
 - TTFT: a shared prefix (about ``--prefix`` tokens of system prompt) and two
   questions. With the tier, a server answers the first, is stopped, and a new
@@ -30,6 +32,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -46,12 +49,33 @@ from .bench.common import log, write_json
 from .bench.models import REPO_ROOT
 from .bench.run import device_info, versions
 from .disk_cache import BLOCK_TOKENS_ENV, DiskPromptCache, wait_for_blocks
+from .kv.spec import KVSpec
 
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
-SCHEMES = {"fp16": (), "8,4": ("--kv-bits", "8,4"), "4": ("--kv-bits", "4")}
-# the server also serves omlx_cache's schemes (--kv-cache, patch 0024)
-SERVER_SCHEMES = {**SCHEMES, "q4": ("--kv-cache", "omlx")}
+SCHEMES = ("fp16", "bits=8,4", "bits=4")
 MiB = 1 << 20
+
+
+def scheme(text: str) -> str:
+    """A scheme (``KVSpec``) as given, checked (for argparse)."""
+    try:
+        KVSpec.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
+def server_args(text: str) -> tuple:
+    """The server's arguments for a scheme: its own caches for ``fp16``, else
+    omlx_cache's (``--kv-cache omlx``)."""
+    if KVSpec.parse(text).is_reference:
+        return ()
+    return ("--kv-cache", "omlx", "--kv-cache-config", text)
+
+
+def slug(text: str) -> str:
+    """A scheme as a file name."""
+    return re.sub(r"[^\w.,=-]+", "_", text)
 
 
 # --- the server -------------------------------------------------------------------
@@ -210,13 +234,13 @@ def conversation(n_turns: int) -> list[tuple[str, str]]:
 
 def ttft_case(model, scheme, doc, work: Path, block_tokens: int) -> dict:
     """Second question's TTFT after a restart, with and without the tier."""
-    args = SERVER_SCHEMES[scheme]
+    args = server_args(scheme)
     ask = [
         [{"role": "system", "content": doc}, {"role": "user", "content": q}]
         for q in QUESTIONS
     ]
     env = {BLOCK_TOKENS_ENV: str(block_tokens)}
-    cache_dir = work / f"cache-{scheme}"
+    cache_dir = work / f"cache-{slug(scheme)}"
     shutil.rmtree(cache_dir, ignore_errors=True)
 
     log(f"disk_bench: {scheme}: without the tier (a fresh server)")
@@ -252,8 +276,8 @@ def ttft_case(model, scheme, doc, work: Path, block_tokens: int) -> dict:
 
 def conversation_case(model, scheme, turns, work: Path, block_tokens: int, tier: bool):
     """The turns in three parts, a server restart between parts."""
-    args = SERVER_SCHEMES[scheme]
-    cache_dir = work / f"chat-{scheme}"
+    args = server_args(scheme)
+    cache_dir = work / f"chat-{slug(scheme)}"
     shutil.rmtree(cache_dir, ignore_errors=True)
     env = {BLOCK_TOKENS_ENV: str(block_tokens)}
     if tier:
@@ -371,12 +395,6 @@ def run_synthetic(options) -> dict:
             tokens.append(int(logits.argmax(-1).item()))
         return tokens
 
-    def kv_bits(scheme):
-        if scheme == "fp16":
-            return None
-        bits = tuple(int(b) for b in scheme.split(","))
-        return bits if len(bits) > 1 else bits[0]
-
     key = ("synthetic", options.preset, str(dtype))
     rows = []
     log("disk_bench: warm-up")
@@ -384,11 +402,11 @@ def run_synthetic(options) -> dict:
     prefill(warm, prefix[: min(2 * step, len(prefix))])
     del warm
     for scheme in options.schemes:
-        bits = kv_bits(scheme)
-        settings = {"kv_bits": bits, "scheme": scheme}
-        directory = work / scheme
+        make_cache = KVSpec.parse(scheme).make_cache
+        settings = {"scheme": scheme}
+        directory = work / slug(scheme)
         log(f"disk_bench: {scheme}: first prompt, stored")
-        cache = make_prompt_cache(model, kv_bits=bits)
+        cache = make_cache(model)
         prefill(cache, prefix + suffixes[0])
         tier = DiskPromptCache(
             directory, settings=settings, block_tokens=options.block_tokens
@@ -404,7 +422,7 @@ def run_synthetic(options) -> dict:
         log(f"disk_bench: {scheme}: second prompt from scratch")
         second = prefix + suffixes[1]
         start = time.perf_counter()
-        cache = make_prompt_cache(model, kv_bits=bits)
+        cache = make_cache(model)
         logits = prefill(cache, second)
         ttft_without = time.perf_counter() - start
         answer_without = greedy(cache, logits, options.answer_tokens)
@@ -557,9 +575,14 @@ def main(argv=None):
         action="store_true",
         help="also restore warm without moving the arrays to the GPU ahead of use",
     )
-    for p, choices in ((server, SERVER_SCHEMES), (synthetic, SCHEMES)):
+    for p in (server, synthetic):
         p.add_argument(
-            "--schemes", nargs="+", default=list(SCHEMES), choices=list(choices)
+            "--schemes",
+            nargs="+",
+            type=scheme,
+            default=list(SCHEMES),
+            help="fp16 or omlx_cache.kv schemes, one argument each "
+            "(e.g. 'bits=8,4' 'q4')",
         )
         p.add_argument("--block-tokens", type=int, default=256)
         p.add_argument(

@@ -13,14 +13,22 @@ the block's end, so a block is found only after the very same tokens; a restore
 walks the chain from the first block until one is missing, then takes the
 longest tail stored there. With tails, a prefix comes back where it was stored
 (e.g. at the end of a system prompt, where the server stores one), so the rest
-of the prompt is computed as it would have been without the disk. The key covers the model (its path, the hashes of its
-config files, its weight files' names and sizes), the cache settings
-(``--kv-bits``, ``--kv-group-size``, ``--kv-rotate``, ``--kv-keep-exact``,
-``--max-kv-size``, ``--quantized-kv-start``), the block size and the format version: a different
+of the prompt is computed as it would have been without the disk. The key
+covers the model (its path, the hashes of its config files, its weight files'
+names and sizes), the cache settings (``--kv-cache``, ``--kv-cache-config``,
+``--kv-bits``, ``--kv-group-size``, ``--max-kv-size``,
+``--quantized-kv-start``), the block size and the format version: a different
 model or setting never reads another's blocks.
 
-    DIR/<key>/key.json               what the key stands for
-    DIR/<key>/<hash>.safetensors     one block
+Caches stored: mlx-lm's ``KVCache`` and ``RotatingKVCache`` (until it wraps)
+and omlx_cache.kv's ``KVStore`` (until a window drops pages), its pages as
+they are and its held tokens (a residual's) unquantized: a restored prefix
+attends as the cache that was stored. Prompts with other caches are not
+stored (one warning line).
+
+    DIR/<key>/key.json                    what the key stands for
+    DIR/<key>/<hash>.safetensors          one block
+    DIR/<key>/<hash>.held.safetensors     one block with a store's held tokens
 
 Faults: a block is written to a temporary name, fsynced and renamed, so a
 crash leaves no partial block under a block's name (the temporary files of
@@ -53,13 +61,17 @@ from pathlib import Path
 from .blocks import (
     FORMAT,
     FORMAT_VERSION,
+    HELD,
     SUFFIX,
     BadBlock,
     Plan,
+    block_name,
     block_tensors,
     chain_hash,
     check_block,
+    follows,
     layout_of,
+    name_hash,
     verify_block,
     write_block,
 )
@@ -70,8 +82,10 @@ BLOCK_TOKENS_ENV = "OMLX_PROMPT_CACHE_BLOCK_TOKENS"
 DEFAULT_MAX_BYTES = 10 << 30
 # blocks converted for writing but not yet written: past this, insert waits
 MAX_PENDING_BYTES = 1 << 30
-HASH_NAME = re.compile(r"[0-9a-f]{64}" + re.escape(SUFFIX))
-TEMP_NAME = re.compile(r"[0-9a-f]{64}\.(\d+)\.[0-9a-f]+\.tmp")
+HASH_NAME = re.compile(r"[0-9a-f]{64}(?:" + re.escape(HELD) + ")?" + re.escape(SUFFIX))
+TEMP_NAME = re.compile(
+    r"[0-9a-f]{64}(?:" + re.escape(HELD) + r")?\.(\d+)\.[0-9a-f]+\.tmp"
+)
 READ_THREADS = min(16, os.cpu_count() or 1)
 
 log = logging.getLogger(__name__)
@@ -119,8 +133,6 @@ def cache_settings(args: argparse.Namespace) -> dict:
     names = (
         "kv_bits",
         "kv_group_size",
-        "kv_rotate",
-        "kv_keep_exact",
         "kv_cache",
         "kv_cache_config",
         "max_kv_size",
@@ -145,8 +157,8 @@ class Namespace:
     key: str
     directory: Path
 
-    def path(self, block_hash: str) -> Path:
-        return self.directory / (block_hash + SUFFIX)
+    def path(self, block_hash: str, held: bool = False) -> Path:
+        return self.directory / block_name(block_hash, held)
 
 
 @dataclass
@@ -356,34 +368,47 @@ class DiskPromptCache:
 
     def _stored_chain(self, ns: Namespace, tokens) -> list:
         """[(path, tokens)] of the stored blocks that begin ``tokens`` (but
-        leave at least one): full blocks, then the longest tail."""
+        leave at least one): full blocks, then the longest tail. A block with
+        held tokens is taken where the one without is missing, and then only
+        such blocks (a store's pages' rows never follow its held ones)."""
         B = self.block_tokens
         limit = len(tokens) - 1
-        chain, parent = [], ns.key
+        chain, parent, held = [], ns.key, False
         with self._lock:
+
+            def find(block_hash):
+                for with_held in (held, True):
+                    path = ns.path(block_hash, with_held)
+                    if path in self._files:
+                        return path, with_held
+                return None, held
+
             for h in chain_hashes(ns.key, tokens, limit // B, B):
-                if ns.path(h) not in self._files:
+                path, held = find(h)
+                if path is None:
                     break
-                chain.append((ns.path(h), B))
+                chain.append((path, B))
                 parent = h
             start = len(chain) * B
             for count in range(min(B - 1, limit - start), 0, -1):
-                path = ns.path(chain_hash(parent, tokens[start : start + count]))
-                if path in self._files:
+                path, _ = find(chain_hash(parent, tokens[start : start + count]))
+                if path is not None:
                     chain.append((path, count))
                     break
         return chain
 
     def _read_chain(self, ns: Namespace, chain: list):
         """(caches, tokens, blocks, bytes read) of the chain's first blocks
-        that read back, or None. The first is read alone (it sizes the
-        restore); the other full blocks are read in parallel, straight into
-        host memory, while it is allocated; the last, if partial, on its own."""
+        that read back and follow each other, or None. The first is read alone
+        (it sizes the restore); the other full blocks are read in parallel,
+        straight into host memory, while it is allocated; a block of another
+        tensor layout (a store's rows split otherwise between its pages and
+        its held tokens) and the last, if partial, are read whole."""
         paths = [path for path, _ in chain]
         threading.Thread(target=read_ahead, args=(paths[1:],), daemon=True).start()
 
         def parent(i):
-            return paths[i - 1].name.removesuffix(SUFFIX) if i else ns.key
+            return name_hash(paths[i - 1])[0] if i else ns.key
 
         def verify(i):
             return verify_block(paths[i], ns.key, parent(i), i)
@@ -399,63 +424,90 @@ class DiskPromptCache:
         full = sum(1 for _, count in chain if count == self.block_tokens)
         timer = Timer()
 
+        def whole(i):
+            """("whole", (tensors, rows), size) of block ``i`` read whole, or
+            ("other", None, 0) for a block of other settings."""
+            block_metadata, block_tensors, size = verify(i)
+            if not plan.matches(block_metadata, block_tensors):
+                return "other", None, 0
+            return "whole", (block_tensors, plan.block_rows(block_tensors)), size
+
         def load(i):
             try:
                 with timer("read"):
                     got = plan.read(paths[i], i)
-                if got is None:  # another layout: a fault, or other settings
-                    verify(i)
-                    return "other", None
+                if got is None:  # another tensor layout
+                    return whole(i)
                 block_metadata, block_tensors, size = got
                 with timer("check"):
                     check_block(
-                        paths[i], block_metadata, block_tensors, ns.key, parent(i), i
+                        paths[i],
+                        block_metadata,
+                        block_tensors,
+                        ns.key,
+                        parent(i),
+                        i,
+                        held=plan.held,
                     )
                     if not plan.matches(block_metadata, block_tensors):
-                        return "other", None
-                return "ok", size
+                        return "other", None, 0
+                return "slot", plan.first_rows, size
             except FileNotFoundError:
-                return "gone", None
+                return "gone", None, 0
             except BadBlock as e:
-                return "bad", e
+                return "bad", e, 0
 
-        n, nbytes = 0, 0
+        n, nbytes, others, rows = 0, 0, [], None
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(READ_THREADS) as pool:
             loaded = pool.map(load, range(full))
             with timer("allocate"):
                 plan.allocate(full)
-            for i, (status, value) in enumerate(loaded):
-                if status != "ok":
-                    if status == "bad":
-                        self._bad(paths[i], value)
+            for i, (status, value, size) in enumerate(loaded):
+                if status == "bad":
+                    self._bad(paths[i], value)
+                # blocks read whole go after those read into slots
+                if status == "slot" and not others:
+                    block_rows = value
+                elif status == "whole":
+                    whole_tensors, block_rows = value
+                else:
                     break
-                n, nbytes = i + 1, nbytes + value
+                if rows is not None and not follows(rows, block_rows):
+                    break
+                if status == "whole":
+                    others.append(whole_tensors)
+                n, nbytes, rows = i + 1, nbytes + size, block_rows
         timer.seconds["blocks"] = time.perf_counter() - start
-        tail = None
         if full == 0:  # the chain is one partial block
-            n, nbytes, tail = 1, first_bytes, tensors
+            n, nbytes, others = 1, first_bytes, [tensors]
         elif n == full < len(paths):
-            tail, size = self._read_tail(plan, paths[full], verify, full)
+            tail, size = self._read_tail(paths[full], whole, full, rows)
             if tail is not None:
                 n, nbytes = n + 1, nbytes + size
+                others.append(tail)
         if n == 0:
             return None
         with timer("assemble"):
-            arrays = plan.assemble(min(n, full), tail)
+            arrays = plan.assemble(n - len(others), others)
         self.last_restore = timer.seconds
         length = sum(count for _, count in chain[:n])
-        return plan.build(arrays, length), length, n, nbytes
-
-    def _read_tail(self, plan: Plan, path: Path, verify, i: int):
-        """(tensors, size) of the chain's last, partial block ``i`` if it
-        reads back and fits, else (None, 0)."""
         try:
-            metadata, tensors, size = verify(i)
-            if not plan.matches(metadata, tensors):
+            caches = plan.build(arrays, length)
+        except (ValueError, TypeError, KeyError, IndexError) as e:
+            log.warning(f"disk prompt cache: cannot restore from {paths[0]}: {e}")
+            return None
+        return caches, length, n, nbytes
+
+    def _read_tail(self, path: Path, whole, i: int, rows):
+        """(tensors, size) of the chain's last, partial block ``i`` if it
+        reads back and follows the blocks before it (``rows``), else (None,
+        0)."""
+        try:
+            status, value, size = whole(i)
+            if status != "whole" or not follows(rows, value[1]):
                 return None, 0
-            plan.check_tail(tensors)
-            return tensors, size
+            return value[0], size
         except FileNotFoundError:
             return None, 0
         except BadBlock as e:
@@ -495,24 +547,23 @@ class DiskPromptCache:
             return
         if not hashes:
             return
-        paths = [ns.path(h) for h in hashes]
+        try:
+            layers = [lay.split(c) for lay, c in zip(layouts, prompt_cache)]
+        except ValueError as e:
+            self._note_unsupported(str(e))
+            return
+        bounds = [(i * B, min((i + 1) * B, length)) for i in range(len(hashes))]
+        held = [any(layer.held(*b) for layer in layers) for b in bounds]
+        paths = [ns.path(h, with_held) for h, with_held in zip(hashes, held)]
         with self._lock:
             new = [i for i, p in enumerate(paths) if p not in self._files]
             new = [i for i in new if paths[i] not in self._pending]
             self._pending.update(paths[i] for i in new)
-        try:
-            layers = (
-                [lay.split(c) for lay, c in zip(layouts, prompt_cache)] if new else []
-            )
-        except ValueError as e:
-            self._note_unsupported(str(e))
-            self._unqueue(paths[i] for i in new)
-            return
         for n, i in enumerate(new):
             if not self.writable:
                 self._unqueue(paths[j] for j in new[n:])
                 return
-            tensors = block_tensors(layers, tokens, i * B, min((i + 1) * B, length))
+            tensors = block_tensors(layers, tokens, *bounds[i])
             metadata = {
                 "format": FORMAT,
                 "version": str(FORMAT_VERSION),

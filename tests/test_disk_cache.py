@@ -1,10 +1,13 @@
 """The disk tier (omlx_cache.disk_cache) in process, on real files: a tiny
-random llama's caches of every supported kind go to disk in blocks and come
-back bit for bit; bad files are skipped, warned about once and removed; the
-byte cap evicts least recently used blocks; a write that fails stops writing.
-The real server with the tier: tests/test_disk_cache_server.py."""
+random llama's caches of every supported kind (mlx-lm's float caches,
+omlx_cache.kv's stores of several schemes) go to disk in blocks and come back
+bit for bit, and the model goes on from them with the very same logits; bad
+files are skipped, warned about once and removed; the byte cap evicts least
+recently used blocks; a write that fails stops writing. The real server with
+the tier: tests/test_disk_cache_server.py."""
 
 import argparse
+import copy
 import logging
 import os
 import resource
@@ -14,15 +17,16 @@ import sys
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+from mlx_lm.models.cache import KVCache, LRUPromptCache, make_prompt_cache
 from mlx_lm.server import make_prompt_cache_tier
 from tiny_llama import make_model
 
 from omlx_cache import unified_memory
-from omlx_cache.blocks import BadBlock, Plan, read_block, token_slice
-from omlx_cache.center import CenteredQuantizedKVCache
-from omlx_cache.codebook import CodebookKVCache
+from omlx_cache.blocks import BadBlock, Plan, layout_of, read_block
 from omlx_cache.disk_cache import DiskPromptCache, check_directory, main
+from omlx_cache.kv import Affine, KVStore
+from omlx_cache.kv.kernels import Hold
+from omlx_cache.kv.spec import KVSpec
 
 B = 32  # tokens a block
 MODEL = ("tiny-llama", None, None)
@@ -44,23 +48,26 @@ def prefill(model, cache, tokens):
     return logits
 
 
+def spec_cache(text, max_kv_size=None):
+    return lambda m: KVSpec.parse(text).make_cache(m, max_kv_size)
+
+
+SCHEMES = [
+    "fp16",
+    "bits=8,4",
+    "bits=4",
+    "bits=4 recent=16",
+    "codec=codebook bits=4 center=k first=8",
+]
 KINDS = {
-    "fp": lambda m: make_prompt_cache(m),
-    "8,4": lambda m: make_prompt_cache(m, kv_bits=(8, 4)),
-    "4+rotate": lambda m: make_prompt_cache(m, kv_bits=4, kv_rotate=True),
-    "rotating": lambda m: make_prompt_cache(m, max_kv_size=512),
-    "rotating-8": lambda m: make_prompt_cache(m, max_kv_size=512, kv_bits=8),
-    "8,4+exact16": lambda m: make_prompt_cache(m, kv_bits=(8, 4), kv_keep_exact=16),
-    "rotating-8+exact8": lambda m: make_prompt_cache(
-        m, max_kv_size=512, kv_bits=8, kv_keep_exact=8
-    ),
-    "center-kv": lambda m: [
-        CenteredQuantizedKVCache(64, 4, center="kv") for _ in m.layers
-    ],
-    "center+qscale": lambda m: [
-        CenteredQuantizedKVCache(64, 4, rotate=True, key_scale="qk") for _ in m.layers
-    ],
-    "codebook-3,4": lambda m: [CodebookKVCache(3, 4) for _ in m.layers],
+    **{text: spec_cache(text) for text in SCHEMES},
+    # keys and values centered, keys weighted, 4- and 3-bit in groups of 64
+    # and 32, a 72-token residual (held tokens over several blocks)
+    "q4": spec_cache("q4"),
+    "center=kv": spec_cache("bits=4 center=kv qscale=q"),
+    # bounded layers that have dropped nothing yet
+    "fp16 rotating": spec_cache("fp16", 512),
+    "bits=8 window": spec_cache("bits=8", 512),
 }
 
 
@@ -77,14 +84,16 @@ def tier(directory, **kwargs):
 
 
 def assert_same_cache(a, b, n):
-    from omlx_cache.blocks import layout_of
-
+    """The first ``n`` tokens of caches ``a`` and ``b`` are held alike: the
+    same classes and settings, the same arrays (pages and held tokens)."""
     assert [type(c) for c in a] == [type(c) for c in b]
     for x, y in zip(a, b):
         sx, sy = layout_of(type(x)).split(x), layout_of(type(y)).split(y)
-        assert sx.settings == sy.settings
-        for px, py in ((sx.keys, sy.keys), (sx.values, sy.values)):
-            for u, v in zip(token_slice(px, 0, n), token_slice(py, 0, n)):
+        assert sx.describe() == sy.describe()
+        px, py = sx.slices(0, n), sy.slices(0, n)
+        assert px.keys() == py.keys()
+        for kind in px:
+            for u, v in zip(px[kind], py[kind]):
                 assert u.dtype == v.dtype
                 assert mx.array_equal(u, v).item()
         for u, v in zip(sx.arrays, sy.arrays):
@@ -93,14 +102,19 @@ def assert_same_cache(a, b, n):
 
 def assert_goes_on_alike(model, tokens, cache, restored, n, stop):
     """The model goes on from the ``n`` restored tokens to ``stop`` as from
-    the original cache trimmed to them (up to float rounding: attention tiles
-    follow the pages, one page after a restore)."""
+    (a copy of) the original cache trimmed to them: the same logits, bit for
+    bit."""
+    cache = copy.deepcopy(cache)
     for c in cache:
         c.trim(c.offset - n)
     expected = prefill(model, cache, tokens[n:stop])
     logits = prefill(model, restored, tokens[n:stop])
-    assert mx.allclose(logits, expected, rtol=1e-4, atol=1e-4).item()
-    assert mx.array_equal(logits.argmax(-1), expected.argmax(-1)).item()
+    assert mx.array_equal(logits, expected).item()
+
+
+def held_counts(cache):
+    """Each layer's held tokens (0 for mlx-lm's caches)."""
+    return [int(c.state[13]) if len(c.state) == 15 else 0 for c in cache]
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -113,16 +127,18 @@ def test_round_trip(model, tokens, tmp_path, kind):
     # plain safetensors files
     for path in tmp_path.glob("*/*.safetensors"):
         arrays, metadata = mx.load(str(path), return_metadata=True)
-        assert metadata["format"] == "omlx-prefix-block" and "0.keys.0" in arrays
+        assert metadata["format"] == "omlx-prefix-block"
+        assert "0.keys.0" in arrays or "0.held_keys.0" in arrays
 
     # a new tier on the directory, as after a restart
     restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
     assert n == 250
+    assert held_counts(restored) == held_counts(cache)
     assert_same_cache(cache, restored, n)
     assert_goes_on_alike(model, tokens, cache, restored, n, 280)
 
 
-@pytest.mark.parametrize("kind", ["fp", "8,4"])
+@pytest.mark.parametrize("kind", ["fp16", "bits=8,4"])
 def test_round_trip_bfloat16(tokens, tmp_path, kind):
     """bfloat16 has no numpy type: its bits travel as uint16 and come back
     as bfloat16."""
@@ -130,53 +146,143 @@ def test_round_trip_bfloat16(tokens, tmp_path, kind):
     model.set_dtype(mx.bfloat16)
     cache = stored(model, tokens, kind, 250)
     keys = cache[0].state[0]
-    assert (keys if kind == "fp" else keys[1]).dtype == mx.bfloat16  # scales
+    assert (keys if kind == "fp16" else keys[0][1]).dtype == mx.bfloat16  # scales
     writer = tier(tmp_path)
     writer.insert(MODEL, tokens[:250], cache)
     writer.flush()
     restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
     assert n == 250
     assert_same_cache(cache, restored, n)
+    assert_goes_on_alike(model, tokens, cache, restored, n, 280)
 
 
-RESIDUAL_KINDS = {
-    "4+exact4+res16": lambda m: make_prompt_cache(
-        m, kv_bits=4, kv_residual=16, kv_keep_exact=4
-    ),
-    "4,3+rotate+center+qscale+exact4+res16": lambda m: [
-        CenteredQuantizedKVCache(
-            (64, 32), (4, 3), rotate=True, keep_exact=4, residual=16, key_scale="qk"
-        )
-        for _ in m.layers
-    ],
-}
+def held_blocks(directory):
+    return sorted(
+        int(read_block(p)[0]["index"]) for p in directory.glob("*/*.held.safetensors")
+    )
 
 
-@pytest.mark.parametrize("kind", list(RESIDUAL_KINDS))
-def test_residual_cache_stores_the_tokens_before_its_recent_ones(
-    model, tokens, tmp_path, kind
-):
-    """A residual's recent tokens are not in its pages: the blocks take the
-    tokens before them, and the restored cache holds none (the model goes on
-    from there as the original, trimmed, does)."""
-    cache = RESIDUAL_KINDS[kind](model)
+@pytest.mark.parametrize("kind", ["bits=4 recent=16", "q4"])
+def test_residual_held_tokens_go_to_disk_unquantized(model, tokens, tmp_path, kind):
+    """A residual's held tokens are stored as they are held, in blocks named
+    as holding them: the restored store holds them too. Once a longer prompt
+    has them in its pages, its blocks are taken instead."""
+    cache = KINDS[kind](model)
     prefill(model, cache, tokens[:100])
-    held = cache[0]._n_held
-    assert held == 20  # 80 tokens in the pages
+    held = held_counts(cache)[0]
+    assert held == {"bits=4 recent=16": 20, "q4": 100}[kind]
     t = tier(tmp_path)
     t.insert(MODEL, tokens[:100], cache)
     t.flush()
+    # the blocks with held tokens, the tail (96-100) among them
+    first_held = (100 - held) // B
+    assert held_blocks(tmp_path) == list(range(first_held, 4))
     restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
-    assert n == 100 - held
-    assert all((c.residual, c._n_held, c.offset) == (16, 0, n) for c in restored)
+    assert n == 100
+    assert held_counts(restored) == held_counts(cache)
     assert_same_cache(cache, restored, n)
     assert_goes_on_alike(model, tokens, cache, restored, n, 120)
-    assert [c._n_held for c in restored] == [c._n_held for c in cache]
+
+    # the conversation goes on: its pages hold what was held
+    prefill(model, cache, tokens[100:250])
+    longer = cache
+    t.insert(MODEL, tokens[:250], longer)
+    t.flush()
+    restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
+    assert n == 250
+    assert held_counts(restored) == held_counts(longer)
+    assert_same_cache(longer, restored, n)
+    assert_goes_on_alike(model, tokens, longer, restored, n, 280)
+    # the first prompt again: the longer one's blocks (rows in the pages),
+    # then the first one's tail of held tokens, if its settings are theirs
+    # (q4's was stored before any token reached its pages: it had no first
+    # tokens kept yet)
+    restored, n = tier(tmp_path).fetch(MODEL, tokens[:101], 0)
+    assert_same_cache(longer, restored, 3 * B)
+    if kind == "q4":
+        assert n == 3 * B and held_counts(restored) == [0] * len(restored)
+    else:
+        assert n == 100 and held_counts(restored) == [100 - 3 * B] * len(restored)
+
+
+def test_bad_held_block_is_skipped_and_removed(model, tokens, tmp_path, caplog):
+    cache = stored(model, tokens, "q4", 250)  # 144 tokens in the pages
+    t = tier(tmp_path)
+    t.insert(MODEL, tokens[:250], cache)
+    t.flush()
+    assert held_blocks(tmp_path) == [4, 5, 6, 7]
+    victim = next(
+        p
+        for p in tmp_path.glob("*/*.held.safetensors")
+        if "5" == read_block(p)[0]["index"]
+    )
+    corrupt(victim)
+    with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
+        restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
+    assert n == 5 * B
+    assert held_counts(restored) == [5 * B - 144] * len(restored)
+    assert_same_cache(cache, restored, n)
+    assert_goes_on_alike(model, tokens, cache, restored, n, 200)
+    assert [r.getMessage() for r in caplog.records if victim.name in r.getMessage()]
+    assert not victim.exists()
+
+
+def test_kernel_held_tokens_come_back_rotated(tmp_path):
+    """Decode tokens a kernel holds outside the codecs' rotated domains (as
+    CUDA's codebook kernel asks) are stored rotated, as a restored store
+    reads its held tokens: it attends as the stored one."""
+    mx.random.seed(0)
+    keys, values = (mx.random.normal((1, 2, 40, 64)) for _ in range(2))
+    store = KVStore(Affine(4, 64, "hadamard"))
+    store.update_and_fetch(keys[:, :, :36], values[:, :, :36])
+    store.spans.hold = Hold(8, rotated=False)
+    for t in range(36, 40):
+        store.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+    assert held_counts([store]) == [4] and not store.spans.rotated
+    t = tier(tmp_path)
+    t.insert(MODEL, list(range(40)), [store])
+    t.flush()
+    (restored,), n = tier(tmp_path).fetch(MODEL, list(range(41)), 0)
+    assert n == 40 and held_counts([restored]) == [4]
+    queries = mx.random.normal((1, 4, 1, 64))
+    expected, got = (
+        c.scaled_dot_product_attention(queries, None, None, scale=0.125, mask=None)
+        for c in (store, restored)
+    )
+    assert mx.array_equal(got, expected).item()
+
+
+def test_caches_it_cannot_store(model, tokens, tmp_path, caplog):
+    """A window that dropped pages, a wrapped rotating cache: nothing to store
+    from the first token, nothing written. Caches of classes without a layout
+    (a subclass may hold another state): one warning, nothing written."""
+    t = tier(tmp_path)
+    for cache in (
+        KVSpec.parse("bits=4").make_cache(model, 64),
+        make_prompt_cache(model, max_kv_size=64),
+    ):
+        prefill(model, cache, tokens[:200])
+        prefill(model, cache, tokens[200:250])
+        t.insert(MODEL, tokens[:250], cache)
+    assert cache[0].state[5] != 250  # wrapped
+
+    class Other(KVCache):
+        pass
+
+    other = [Other() for _ in model.layers]
+    prefill(model, other, tokens[:100])
+    with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
+        for _ in range(2):
+            t.insert(MODEL, tokens[:100], other)
+    t.flush()
+    assert t.stats.written_blocks == 0 and t.nbytes == 0
+    warnings = [r.getMessage() for r in caplog.records if r.name == t.__module__]
+    assert warnings == ["disk prompt cache: not storing caches of Other"]
 
 
 def test_fetch_limits(model, tokens, tmp_path):
     t = tier(tmp_path)
-    t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "bits=8,4", 250))
     t.flush()
     # seven blocks and a tail of 26 tokens
     assert t.fetch(MODEL, tokens, 0)[1] == 250
@@ -194,7 +300,7 @@ def test_fetch_limits(model, tokens, tmp_path):
 def test_key_separates_models_and_settings(model, tokens, tmp_path):
     settings = {"kv_bits": [8, 4], "kv_group_size": 64}
     t = tier(tmp_path, settings=settings)
-    t.insert(MODEL, tokens[:250], stored(model, tokens, "8,4", 250))
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "bits=8,4", 250))
     t.flush()
     assert tier(tmp_path, settings=settings).fetch(MODEL, tokens, 0) is not None
     assert (
@@ -216,7 +322,7 @@ def test_model_identity_covers_config(model, tokens, tmp_path):
     (weights / "config.json").write_text('{"hidden_size": 128}')
     key = (str(weights), None, None)
     t = tier(tmp_path / "cache")
-    t.insert(key, tokens[:100], stored(model, tokens, "fp", 100))
+    t.insert(key, tokens[:100], stored(model, tokens, "fp16", 100))
     t.flush()
     assert tier(tmp_path / "cache").fetch(key, tokens, 0) is not None
     (weights / "config.json").write_text('{"hidden_size": 256}')
@@ -256,7 +362,7 @@ def bad_header(path):
 @pytest.mark.parametrize("damage", [corrupt, truncate, garbage, bad_header])
 def test_bad_block_is_skipped_and_removed(model, tokens, tmp_path, caplog, damage):
     t = tier(tmp_path)
-    cache = stored(model, tokens, "8,4", 250)
+    cache = stored(model, tokens, "bits=8,4", 250)
     t.insert(MODEL, tokens[:250], cache)
     t.flush()
     victim = block_files(tmp_path)[3]
@@ -274,14 +380,14 @@ def test_bad_block_is_skipped_and_removed(model, tokens, tmp_path, caplog, damag
 def test_foreign_block_is_skipped_and_removed(model, tokens, tmp_path, caplog):
     """Another key's block put under this key's name (same tokens): skipped."""
     ours, theirs = tmp_path / "ours", tmp_path / "theirs"
-    for directory, kind in ((ours, "8,4"), (theirs, "fp")):
+    for directory, kind in ((ours, "bits=8,4"), (theirs, "fp16")):
         t = tier(directory, settings={"kind": kind})
         t.insert(MODEL, tokens[:250], stored(model, tokens, kind, 250))
         t.flush()
     victim = block_files(ours)[2]
     shutil.copy(block_files(theirs)[2], victim)
     with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
-        _, n = tier(ours, settings={"kind": "8,4"}).fetch(MODEL, tokens, 0)
+        _, n = tier(ours, settings={"kind": "bits=8,4"}).fetch(MODEL, tokens, 0)
     assert n == 2 * B
     assert [r.getMessage() for r in caplog.records if "key differs" in r.getMessage()]
     assert not victim.exists()
@@ -293,7 +399,7 @@ def test_read_into_a_slot_parses_as_a_whole_read(model, tokens, tmp_path):
     holds the file's data; a corrupt one fails its CRC, a block of another
     layout leaves the slot untouched."""
     t = tier(tmp_path)
-    t.insert(MODEL, tokens[:250], stored(model, tokens, "center-kv", 250))
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "center=kv", 250))
     t.flush()
     files = block_files(tmp_path)
     metadata, tensors, _ = read_block(files[0])
@@ -318,7 +424,7 @@ def test_read_into_a_slot_parses_as_a_whole_read(model, tokens, tmp_path):
 
 def test_check_directory(model, tokens, tmp_path, capsys):
     t = tier(tmp_path)
-    t.insert(MODEL, tokens[:250], stored(model, tokens, "4+rotate", 250))
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "bits=4", 250))
     t.flush()
     assert check_directory(tmp_path) == (8, [])  # seven and a tail
     corrupt(block_files(tmp_path)[5])
@@ -330,7 +436,7 @@ def test_check_directory(model, tokens, tmp_path, capsys):
 
 
 def test_byte_cap_evicts_least_recently_used(model, tokens, tmp_path):
-    cache = stored(model, tokens, "fp", 250)
+    cache = stored(model, tokens, "fp16", 250)
     block_bytes = tier(tmp_path / "probe")
     block_bytes.insert(MODEL, tokens[: B + 1], cache)
     block_bytes.flush()
@@ -340,7 +446,7 @@ def test_byte_cap_evicts_least_recently_used(model, tokens, tmp_path):
     t.insert(MODEL, tokens[:128], cache)  # blocks 0-3 of one chain
     t.flush()
     other = [(x + 7) % 320 for x in tokens]
-    t.insert(MODEL, other[:64], stored(model, other, "fp", 64))  # two more
+    t.insert(MODEL, other[:64], stored(model, other, "fp16", 64))  # two more
     t.flush()
     assert t.nbytes <= t.max_bytes
     # the first chain lost its tail, not its head
@@ -353,14 +459,14 @@ def test_byte_cap_evicts_least_recently_used(model, tokens, tmp_path):
 def test_write_error_stops_writing_not_serving(model, tokens, tmp_path, caplog):
     """A file size limit (RLIMIT_FSIZE) makes the writes fail with EFBIG."""
     t = tier(tmp_path)
-    t.insert(MODEL, tokens[:100], stored(model, tokens, "fp", 100))
+    t.insert(MODEL, tokens[:100], stored(model, tokens, "fp16", 100))
     t.flush()
     assert t.stats.written_blocks == 4  # three and a tail
     soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
     resource.setrlimit(resource.RLIMIT_FSIZE, (30_000, hard))
     try:
         with caplog.at_level(logging.WARNING, logger="omlx_cache.disk_cache"):
-            t.insert(MODEL, tokens[:250], stored(model, tokens, "fp", 250))
+            t.insert(MODEL, tokens[:250], stored(model, tokens, "fp16", 250))
             t.flush()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -368,7 +474,7 @@ def test_write_error_stops_writing_not_serving(model, tokens, tmp_path, caplog):
     assert len([r for r in caplog.records if "cannot write" in r.getMessage()]) == 1
     assert not list(tmp_path.glob("*/*.tmp"))
     assert t.fetch(MODEL, tokens, 0)[1] == 100
-    t.insert(MODEL, tokens[:250], stored(model, tokens, "fp", 250))
+    t.insert(MODEL, tokens[:250], stored(model, tokens, "fp16", 250))
     t.flush()
     assert t.stats.written_blocks == 4
 
@@ -383,11 +489,12 @@ def test_temporary_files_of_dead_writers_are_removed(tmp_path):
         check=True,
     )
     left = ns / f"{'b' * 64}.{dead.stdout.strip()}.0a1b.tmp"
+    left_held = ns / f"{'d' * 64}.held.{dead.stdout.strip()}.0a1b.tmp"
     live = ns / f"{'c' * 64}.{os.getppid()}.0a1b.tmp"
-    for path in (left, live):
+    for path in (left, left_held, live):
         path.write_bytes(b"partial")
     tier(tmp_path)
-    assert not left.exists() and live.exists()
+    assert not left.exists() and not left_held.exists() and live.exists()
 
 
 def test_server_hook_finds_the_disk_tier(model, tokens, tmp_path):
@@ -399,16 +506,15 @@ def test_server_hook_finds_the_disk_tier(model, tokens, tmp_path):
         prompt_cache_tier="disk",
         kv_bits=None,
         kv_group_size=64,
-        kv_rotate=False,
         max_kv_size=None,
         quantized_kv_start=0,
     )
     disk = make_prompt_cache_tier(args)
     assert isinstance(disk, DiskPromptCache) and disk.max_bytes == 1 << 30
     memory = LRUPromptCache(max_size=1, tier=disk)
-    memory.insert_cache(MODEL, tokens[:600], stored(model, tokens, "fp", 300))
+    memory.insert_cache(MODEL, tokens[:600], stored(model, tokens, "fp16", 300))
     other = [(x + 1) % 320 for x in tokens]
-    memory.insert_cache(MODEL, other[:100], stored(model, other, "fp", 100))
+    memory.insert_cache(MODEL, other[:100], stored(model, other, "fp16", 100))
     disk.flush()
     cache, rest = memory.fetch_nearest_cache(MODEL, tokens[:280])
     assert len(rest) == 280 - 256 and cache[0].offset == 256
@@ -434,11 +540,21 @@ def test_disk_bench_synthetic(tmp_path):
             "64",
             "--answer-tokens",
             "3",
+            "--schemes",
+            "fp16",
+            "bits=8,4",
+            "bits=4",
+            "bits=4 recent=16",
             "--out",
             str(tmp_path / "report.json"),
         ]
     )
-    assert [r["scheme"] for r in report["synthetic"]] == ["fp16", "8,4", "4"]
+    assert [r["scheme"] for r in report["synthetic"]] == [
+        "fp16",
+        "bits=8,4",
+        "bits=4",
+        "bits=4 recent=16",
+    ]
     for row in report["synthetic"]:
         assert row["restored_tokens"] == 256
         assert row["identical_cold"] and row["identical_warm"]
