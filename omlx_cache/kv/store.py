@@ -378,6 +378,55 @@ class KVStore:
         return self.spans.recent_tokens()
 
     # ------------------------------------------------------------------
+    # rows, for batches
+
+    def _page_rows(self, start, stop, pad):
+        """This store's encoded page rows from batch row ``start`` to ``stop``
+        once right-justified by ``pad`` rows: (key parts, value parts, the
+        first batch row they go to), or None."""
+        lo, hi = self.dropped + pad, min(self._written + pad, stop)
+        if hi <= lo:
+            return None
+        keys, values = self.keys_and_values()
+        rows = slice(0, hi - lo)
+        return (
+            tuple(x[:, :, rows] for x in keys),
+            tuple(x[:, :, rows] for x in values),
+            lo - start,
+        )
+
+    def _held_rows(self, count, pad, dtype):
+        """The last ``count`` rows of this store once right-justified by
+        ``pad`` rows, unquantized in the codecs' rotated domains (page rows
+        decoded, in ``dtype``, as attention reads them), or None where it has
+        none."""
+        n_held = self.spans.n_held
+        from_pages = min(count - n_held, self._written - self.dropped)
+        if count <= 0 or (n_held == 0 and from_pages <= 0):
+            return None
+        parts = []
+        if from_pages > 0:
+            keys, values = self.keys_and_values()
+            rows = slice(keys[0].shape[2] - from_pages, None)
+            parts.append(
+                (
+                    self.key_codec.decode(tuple(x[:, :, rows] for x in keys), dtype),
+                    self.value_codec.decode(
+                        tuple(x[:, :, rows] for x in values), dtype
+                    ),
+                )
+            )
+        if n_held:
+            parts.append(
+                (
+                    self.spans.held_keys[:, :, :n_held],
+                    self.spans.held_values[:, :, :n_held],
+                )
+            )
+        keys, values = (mx.concatenate(x, axis=2) for x in zip(*parts))
+        return keys, values
+
+    # ------------------------------------------------------------------
     # the protocol
 
     def empty(self):
@@ -538,13 +587,6 @@ def _joined(pages):
     return tuple(mx.concatenate(parts, axis=2) for parts in zip(*pages))
 
 
-def _padded(x, left, size):
-    """``x`` (B, heads, T, D) with ``left`` zero rows before it, ``size`` rows
-    in all."""
-    x = x[:, :, : size - left]
-    return mx.pad(x, [(0, 0), (0, 0), (left, size - left - x.shape[2]), (0, 0)])
-
-
 class BatchKVStore(KVStore):
     """``KVStore`` for a batch of left-padded sequences: ``offset`` and
     ``left_padding`` are (B,) arrays, ``merge`` (of ``KVStore``s),
@@ -594,21 +636,41 @@ class BatchKVStore(KVStore):
         if self._right_padding is None:
             return
         self._flush()
-        # the held tokens move with the others: a residual's are written to
-        # the pages (and held again as decoding goes on)
-        self._release_all()
-        if not self.key_pages:
-            self._right_padding = None
-            return
-        # the rows the roll brings to the front are older than any a window
-        # still sees
         shift = self._right_padding[:, None]
-        keys, values = (_joined(p) for p in (self.key_pages, self.value_pages))
-        self.key_pages = [tuple(_roll(x, shift) for x in keys)]
-        self.value_pages = [tuple(_roll(x, shift) for x in values)]
+        if self.spans.n_held:
+            self._roll_held(self._right_padding)
+        if self.key_pages:
+            # the rows the roll brings to the front are padding, or older than
+            # any a window still sees
+            keys, values = (_joined(p) for p in (self.key_pages, self.value_pages))
+            self.key_pages = [tuple(_roll(x, shift) for x in keys)]
+            self.value_pages = [tuple(_roll(x, shift) for x in values)]
         self.offset = self.offset - self._right_padding
         self.left_padding = self.left_padding + self._right_padding
         self._right_padding = None
+
+    def _roll_held(self, shift):
+        """A residual's held rows rolled right by each sequence's ``shift``: the
+        rows that come in from the pages, decoded."""
+        spans, n = self.spans, self.spans.n_held
+        P = max(shift.tolist())
+        held = (spans.held_keys[:, :, :n], spans.held_values[:, :, :n])
+        decoded = self._held_rows(n + P, 0, spans.held_keys.dtype)
+        combined = tuple(
+            mx.concatenate([mx.zeros_like(x[:, :, : n + P - d.shape[2]]), d], axis=2)
+            if d.shape[2] < n + P
+            else d
+            for x, d in zip(held, decoded)
+        )
+        index = (P - shift)[:, None] + mx.arange(n)
+        spans.held_keys, spans.held_values = (
+            mx.take_along_axis(
+                x,
+                mx.broadcast_to(index[:, None, :, None], (*x.shape[:2], n, x.shape[3])),
+                2,
+            )
+            for x in combined
+        )
 
     @property
     def state(self):
@@ -663,53 +725,9 @@ class BatchKVStore(KVStore):
         self._written -= shared
         self.left_padding = self.left_padding - shared
 
-    def _justified(self, idx, start, like):
-        """Key and value tuples of rows ``start`` to ``idx`` with this store's
-        rows right-justified at ``idx`` (zeros where it has none, shaped like
-        ``like``)."""
-        B = self.offset.shape[0]
-        size = idx - start
-        if self._written == self.dropped:
-            return tuple(
-                tuple(mx.zeros((B, x.shape[1], size, x.shape[3]), x.dtype) for x in t)
-                for t in like
-            )
-        left = self.dropped + idx - self._written - start
-        return tuple(
-            tuple(_padded(x, left, size) for x in stored)
-            for stored in self.keys_and_values()
-        )
-
-    def _start_at(self, idx) -> int:
-        """The first row this store holds once right-justified at ``idx``."""
-        return self.dropped + idx - self._written
-
     def extend(self, other):
         """Append the sequences of ``other`` (a store of the same settings)."""
-        _check_batchable([self, other])
-        for c in (self, other):
-            c._flush()
-            c._release_all()
-        sizes = [c.offset.shape[0] for c in (self, other)]
-        self.transform = Transform.joined([self.transform, other.transform], sizes)
-        first = _joined_first([self, other], sizes)
-        self.spans.first_keys, self.spans.first_values = first
-        if self.empty() and other.empty():
-            self.left_padding = mx.concatenate([self.left_padding, other.left_padding])
-            self.offset = mx.concatenate([self.offset, other.offset])
-            return
-        idx = max(self._written, other._written)
-        start = min(c._start_at(idx) for c in (self, other) if c._written)
-        like = (other if self._written == 0 else self).keys_and_values()
-        (k1, v1), (k2, v2) = (c._justified(idx, start, like) for c in (self, other))
-        self.key_pages = [tuple(mx.concatenate(x, axis=0) for x in zip(k1, k2))]
-        self.value_pages = [tuple(mx.concatenate(x, axis=0) for x in zip(v1, v2))]
-        self.left_padding = mx.concatenate(
-            [c.left_padding + idx - c._written for c in (self, other)]
-        )
-        self.offset = mx.concatenate([self.offset, other.offset])
-        self._idx = self._written = idx
-        self.dropped = start
+        _combine(self, [self, other])
 
     def extract(self, idx):
         """Sequence ``idx`` as a ``KVStore`` (a copy, its padding dropped)."""
@@ -753,44 +771,105 @@ class BatchKVStore(KVStore):
     def merge(cls, caches):
         """One batch of ``KVStore``s, left-padded to the longest."""
         _check_batchable(caches)
-        for c in caches:
-            c._flush()
-            c._release_all()
-        lengths = [c._written for c in caches]
-        longest = max(lengths)
-        padding = [longest - n for n in lengths]
-        batch = cls(padding, **caches[0].settings)
-        batch.transform = Transform.joined(
-            [c.transform for c in caches], [1] * len(caches)
-        )
-        first = _joined_first(caches, [1] * len(caches))
-        batch.spans.first_keys, batch.spans.first_values = first
-        batch.offset = batch.offset + longest
-        batch._idx = batch._written = longest
-        if longest == 0:
-            return batch
-        # rows a store dropped are out of every window: the batch drops the
-        # rows none of its sequences holds
-        starts = [c.dropped + p for c, p in zip(caches, padding)]
-        batch.dropped = min(s for s, c in zip(starts, caches) if c._written)
-        stored = [c.keys_and_values() if c._written else None for c in caches]
-        like = next(s for s in stored if s is not None)
-        merged = tuple(
-            tuple(
-                mx.zeros(
-                    (len(caches), x.shape[1], longest - batch.dropped, x.shape[3]),
-                    x.dtype,
-                )
-                for x in part
-            )
-            for part in like
-        )
-        for i, (start, s) in enumerate(zip(starts, stored)):
-            for rows, part in zip(merged, s or ()):
-                for dst, x in zip(rows, part):
-                    dst[i : i + 1, :, start - batch.dropped :] = x
-        batch.key_pages, batch.value_pages = [merged[0]], [merged[1]]
+        batch = cls([0] * len(caches), **caches[0].settings)
+        _combine(batch, caches)
         return batch
+
+
+def _rows(store):
+    return store.offset.shape[0] if isinstance(store.offset, mx.array) else 1
+
+
+def _combine(batch, stores):
+    """Set ``batch`` to the sequences of ``stores`` laid end to end,
+    right-justified at the longest. A residual's held tokens stay held: rows
+    that one store holds and another has written to its pages are held
+    decoded, as attention reads them."""
+    _check_batchable(stores)
+    for c in stores:
+        c._flush()
+    sizes = [_rows(c) for c in stores]
+    idx = max(c._idx for c in stores)
+    pads = [idx - c._idx for c in stores]
+    full = [c for c in stores if c._idx]
+    written = min((c._written + p for c, p in zip(stores, pads) if c._idx), default=idx)
+    dropped = min(
+        (c.dropped + p for c, p in zip(stores, pads) if c._written), default=0
+    )
+    left = [
+        c.left_padding + p if isinstance(c.left_padding, mx.array) else mx.array([p])
+        for c, p in zip(stores, pads)
+    ]
+    batch.transform = Transform.joined([c.transform for c in stores], sizes)
+    batch.spans.first_keys, batch.spans.first_values = _joined_first(stores, sizes)
+    dtype = _held_dtype(full)
+    held = [c._held_rows(idx - written, p, dtype) for c, p in zip(stores, pads)]
+    pages = [c._page_rows(dropped, written, p) for c, p in zip(stores, pads)]
+    like = None
+    if written > dropped:
+        like = next(c for c in full if c._written > c.dropped).keys_and_values()
+    batch.left_padding = mx.concatenate(left)
+    batch.offset = mx.concatenate(
+        [
+            mx.array([c.offset]) if isinstance(c.offset, int) else c.offset
+            for c in stores
+        ]
+    )
+    batch._idx, batch._written, batch.dropped = idx, written, dropped
+    batch.key_pages, batch.value_pages = [], []
+    batch.spans.n_held = 0
+    batch.spans.held_keys = batch.spans.held_values = None
+    if like is not None:
+        parts = [_filled(r, like, n, written - dropped) for r, n in zip(pages, sizes)]
+        batch.key_pages, batch.value_pages = (
+            [tuple(mx.concatenate(x, axis=0) for x in zip(*part))]
+            for part in zip(*parts)
+        )
+    if idx > written:
+        template = next(h for h in held if h is not None)
+        keys, values = zip(*(_filled_held(h, template, n) for h, n in zip(held, sizes)))
+        batch.spans.held_keys = mx.concatenate(keys)
+        batch.spans.held_values = mx.concatenate(values)
+        batch.spans.n_held = idx - written
+
+
+def _held_dtype(stores):
+    """The dtype held tokens are kept in: a store's held ones', else its pages'
+    scales' (the model's, for affine pages)."""
+    for c in stores:
+        if c.spans.n_held:
+            return c.spans.held_keys.dtype
+    for c in stores:
+        if c._written > c.dropped:
+            return c.key_pages[0][-1].dtype
+    return mx.float32
+
+
+def _filled(rows, like, n, size):
+    """Page parts of ``size`` rows for ``n`` sequences: ``rows`` (key parts,
+    value parts, first row) placed in zeros shaped like ``like`` (a store's
+    key and value parts)."""
+    out = []
+    for i, parts in enumerate(like):
+        filled = []
+        for j, x in enumerate(parts):
+            page = mx.zeros((n, x.shape[1], size, x.shape[3]), x.dtype)
+            if rows is not None:
+                source = rows[i][j]
+                page[:, :, rows[2] : rows[2] + source.shape[2]] = source
+            filled.append(page)
+        out.append(tuple(filled))
+    return out
+
+
+def _filled_held(held, like, n):
+    """Held keys and values of ``like``'s rows for ``n`` sequences: ``held``
+    right-justified (zeros before a sequence's first token), or zeros."""
+    count = like[0].shape[2]
+    if held is None:
+        return tuple(mx.zeros((n, *x.shape[1:]), x.dtype) for x in like)
+    pad = [(0, 0), (0, 0), (count - held[0].shape[2], 0), (0, 0)]
+    return tuple(mx.pad(x, pad) for x in held)
 
 
 def _roll(x, shift):
