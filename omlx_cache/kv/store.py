@@ -96,6 +96,11 @@ class KVStore:
             page_size = page_size or -(-window // 16) * 16
         self.window, self.keep = window, keep if window is not None else 0
         self.spans = Spans(first, recent)
+        if self.transform.on and self.spans.first < 2:
+            raise ValueError(
+                "center and qscale are measured on each sequence's first tokens: "
+                f"first must be 2 or more, got {self.spans.first}."
+            )
         if self.spans.recent and window is not None:
             raise ValueError("A residual (recent) needs a store without a window.")
         self.page_size = int(page_size or type(self).page_size)
@@ -106,8 +111,10 @@ class KVStore:
         self._written = 0  # rows in the pages (dropped ones included)
         self.dropped = 0
         self.reserve = None
-        # the first write, waiting for the queries that set the key weights
+        # the write that completes the first tokens, waiting for its queries
         self._pending = None
+        # mean squared queries at the first positions, summed, and their count
+        self._query_energy = self._query_count = None
 
     # ------------------------------------------------------------------
     # settings
@@ -151,9 +158,9 @@ class KVStore:
     # ------------------------------------------------------------------
     # writing
 
-    def _valid_range(self):
-        """Each sequence's rows in the next write: (start, stop), or Nones."""
-        return None, None
+    def _tokens(self, rows):
+        """Each sequence's tokens in the first ``rows`` rows, (B,)."""
+        return mx.array([rows])
 
     def _prepared(self, keys, values, rotated):
         keys, values = self.transform(keys, values)
@@ -176,15 +183,6 @@ class KVStore:
         codecs' rotated domains) into the pages after the rows written."""
         T = keys.shape[2]
         row = self._written
-        if self.spans.first:
-            first_end = self._max_padding() + self.spans.first
-            if row < first_end:
-                n = min(T, first_end - row)
-                k, v = keys[:, :, :n], values[:, :, :n]
-                if not rotated:
-                    k = rotate(k, self.key_codec.rotation)
-                    v = rotate(v, self.value_codec.rotation)
-                self.spans.keep_first(k, v, row, self.left_padding)
         encoded = (
             self.key_codec.encode(keys, rotated),
             self.value_codec.encode(values, rotated),
@@ -205,6 +203,73 @@ class KVStore:
     def _max_padding(self) -> int:
         return 0
 
+    def _keep_first(self, keys, values, row):
+        """Keep those of ``keys`` and ``values`` (as the model made them),
+        which go to rows ``row`` on, that are among each sequence's first
+        tokens (transformed as the store is, rotated)."""
+        n = self._max_padding() + self.spans.first - row
+        if n > 0:
+            k, v = keys[:, :, :n], values[:, :, :n]
+            self.spans.keep_first(*self._prepared(k, v, True), row, self.left_padding)
+
+    def _first_complete(self, rows) -> bool:
+        """Whether every sequence has its first tokens after ``rows`` rows."""
+        return rows >= self._max_padding() + self.spans.first
+
+    def _add_queries(self, queries):
+        """Add the squared queries at each sequence's first positions (the
+        first left out) to what fixes the transform."""
+        B, n_q_heads, L, D = queries.shape
+        rows = mx.arange(self._idx - L, self._idx)
+        positions = rows[None] - self.left_padding_array()[:, None]  # (B, L)
+        first = mx.minimum(self._tokens(self._idx), self.spans.first)[:, None]
+        at = ((positions >= 1) & (positions < first)).astype(mx.float32)
+        energy = (mx.square(queries.astype(mx.float32)) * at[:, None, :, None]).sum(
+            axis=2, keepdims=True
+        )
+        n_kv_heads = self._kv_heads(B)
+        energy = energy.reshape(B, n_kv_heads, -1, 1, D).mean(axis=2)
+        count = at.sum(axis=1)
+        if self._query_energy is not None:
+            energy, count = energy + self._query_energy, count + self._query_count
+        self._query_energy, self._query_count = energy, count
+
+    def _kv_heads(self, B):
+        if self.spans.first_keys is not None:
+            return self.spans.first_keys.shape[1]
+        return self._pending[0].shape[1]
+
+    def _fix_transform(self):
+        """Set the transform from the first tokens (and the queries seen at
+        their positions), and store the first tokens transformed."""
+        spans = self.spans
+        if self.transform.fixed or spans.first_keys is None:
+            return
+        keys = rotate(spans.first_keys, self.key_codec.rotation, inverse=True)
+        values = rotate(spans.first_values, self.value_codec.rotation, inverse=True)
+        energy = None
+        if self._query_energy is not None:
+            count = mx.maximum(self._query_count, 1)[:, None, None, None]
+            energy = self._query_energy / count
+        written = mx.minimum(self._tokens(self._idx), spans.first)
+        self.transform.fix(keys, values, energy, written)
+        spans.first_keys, spans.first_values = (
+            x.astype(y.dtype)
+            for x, y in zip(self._prepared(keys, values, True), (keys, values))
+        )
+        if spans.n_held:
+            # a residual's held tokens, as the first ones, were held as they came
+            n = spans.n_held
+            held = (spans.held_keys[:, :, :n], spans.held_values[:, :, :n])
+            raw = (
+                rotate(x, c.rotation, inverse=True)
+                for x, c in zip(held, (self.key_codec, self.value_codec))
+            )
+            spans.held_keys, spans.held_values = (
+                x.astype(y.dtype) for x, y in zip(self._prepared(*raw, True), held)
+            )
+        self._query_energy = self._query_count = None
+
     def _holds(self, keys, values) -> bool:
         """Whether a decode token waits unquantized for a kernel."""
         spans = self.spans
@@ -224,19 +289,23 @@ class KVStore:
         if self.empty():
             self.key_codec.check_dim(keys.shape[-1])
             self.value_codec.check_dim(values.shape[-1])
-            self.transform.set_means(keys, values, *self._valid_range())
-        if self.transform.waits_for_queries and self.empty():
-            self._pending = (keys, values, self._valid_range())
+        if not self.transform.fixed and self._first_complete(self._idx + T):
+            # the transform is set from the first tokens and the queries at
+            # their positions, which come with attention
+            self._flush()
+            self._pending = (keys, values, self._idx)
         elif self._holds(keys, values):
             released = self.spans.buffer(keys, values, self._prepare_held)
             if released is not None:
                 self._write_rows(*released, rotated=self.spans.rotated)
         elif self.spans.recent:
+            self._keep_first(keys, values, self._idx)
             aged = self.spans.age(*self._prepared(keys, values, rotated=True))
             if aged is not None:
                 self._write_rows(*aged, rotated=True)
         else:
             self._flush()
+            self._keep_first(keys, values, self._idx)
             self._write_rows(*self.transform(keys, values))
         self._idx += T
         self.offset = self.offset + T
@@ -245,14 +314,16 @@ class KVStore:
     def _prepare_held(self, keys, values):
         return self._prepared(keys, values, rotated=self.spans.rotated)
 
-    def _flush_pending(self, queries=None):
-        """Set the key weights from ``queries`` (ones without) and write the
-        first write that waited for them."""
+    def _flush_pending(self):
+        """Fix the transform (with the queries seen so far) and write the
+        write that waited for it."""
         if self._pending is None:
             return
-        keys, values, (start, stop) = self._pending
+        keys, values, row = self._pending
         self._pending = None
-        self.transform.set_weights(keys, queries, start, stop)
+        self._keep_first(keys, values, row)
+        self._fix_transform()
+        self._keep_first(keys, values, row)
         if self.spans.recent:
             aged = self.spans.age(*self._prepared(keys, values, rotated=True))
             if aged is not None:
@@ -347,7 +418,9 @@ class KVStore:
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
-        self._flush_pending(queries)
+        if not self.transform.fixed and self.transform.key_scale:
+            self._add_queries(queries)
+        self._flush_pending()
         spans = self.spans
         call = Call(
             queries,
@@ -609,10 +682,11 @@ class BatchKVStore(KVStore):
     def left_padding_array(self):
         return self.left_padding
 
-    def _valid_range(self):
-        start = self.left_padding - self._idx
-        stop = None if self._valid_stop is None else self._valid_stop - self._idx
-        return start, stop
+    def _tokens(self, rows):
+        # a right-padded prompt's padding is not its tokens
+        if self._valid_stop is not None:
+            rows = mx.minimum(self._valid_stop, rows)
+        return rows - self.left_padding
 
     def make_mask(self, N, return_array=False, window_size=None):
         window = self.window - self.keep if self.window else window_size
@@ -627,8 +701,8 @@ class BatchKVStore(KVStore):
             self.offset = self.offset - mx.array(left_padding)
         if right_padding is not None and max(right_padding) > 0:
             self._right_padding = mx.array(right_padding)
-        if lengths is not None and self.transform.key_mean is None:
-            # right padding is left out of the means of a first write
+        if lengths is not None:
+            # right padding is left out of what sets the transform
             self._valid_stop = mx.array(lengths) + self._idx
 
     def finalize(self):

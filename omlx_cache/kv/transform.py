@@ -55,29 +55,25 @@ def first_write_mean(x: mx.array, start=None, stop=None) -> mx.array:
     return total / mx.maximum(weights.sum(axis=2, keepdims=True), 1)
 
 
-def query_key_weights(keys, queries=None, start=None, stop=None, mode="qk"):
-    """Per-channel key weights (B, n_kv_heads, 1, D) from a first write of
-    (centered) ``keys`` (B, n_kv_heads, T, D) and the queries that attend it
-    (B, n_q_heads, T, D; ones without). A key error ``e`` costs a query
-    ``(q . e)^2``: with keys stored as ``a * k`` and queries as ``q / a``, the
-    expected cost is least for ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4``
+def query_key_weights(keys, query_energy=None, mode="qk", stop=None):
+    """Per-channel key weights (B, n_kv_heads, 1, D) from (centered) ``keys``
+    (B, n_kv_heads, T, D; the first token left out when there are more) and
+    the mean squared queries that attend them, per KV head (B, n_kv_heads,
+    1, D; None: weights of ones). A key error ``e`` costs a query
+    ``(q . e)^2``: with keys stored as ``a * k`` and queries as ``q / a``,
+    the expected cost is least for ``a_c = (E[q_c^2] / E[k_c^2]) ** 1/4``
     (``mode="qk"``). ``mode="q"`` takes the keys' energies as even and the
-    queries' alone, a little flatter: ``a_c = E[q_c^2] ** 1/5``. Means over
-    each sequence's tokens ``start`` to ``stop`` but the first (as
-    ``first_write_mean``); the weights' geometric mean is 1, each within
-    1/16 to 16."""
-    B, n_kv_heads, T, D = keys.shape
-    if queries is None:
+    queries' alone, a little flatter: ``a_c = E[q_c^2] ** 1/5``. The
+    weights' geometric mean is 1, each within 1/16 to 16."""
+    B, n_kv_heads, _, D = keys.shape
+    if query_energy is None:
         return mx.ones((B, n_kv_heads, 1, D), mx.float32)
-    if queries.shape[2] != T:
-        start = stop = None
-    q = first_write_mean(queries.astype(mx.float32) ** 2, start, stop)
-    q = q.reshape(B, n_kv_heads, -1, D).mean(axis=2, keepdims=True)
+    q = query_energy.astype(mx.float32)
     q_floor = 1e-6 * (q.mean(axis=-1, keepdims=True) + 1e-30)
     if mode == "q":
         weights = (q + q_floor) ** 0.2
     else:
-        energy = first_write_mean(keys.astype(mx.float32) ** 2, start, stop)
+        energy = first_write_mean(keys.astype(mx.float32) ** 2, stop=stop)
         floor = 1e-6 * (energy.mean(axis=-1, keepdims=True) + 1e-30)
         weights = ((q + q_floor) / (energy + floor)) ** 0.25
     weights = weights / mx.exp(mx.log(weights).mean(axis=-1, keepdims=True))
@@ -131,25 +127,33 @@ class Transform:
         return {"center": self.center, "key_scale": self.key_scale}
 
     @property
-    def waits_for_queries(self) -> bool:
-        """Whether the first write must wait for the queries that set the weights."""
-        return bool(self.key_scale) and self.key_weights is None
+    def on(self) -> bool:
+        return bool(self.center or self.key_scale)
 
-    def set_means(self, keys, values, start=None, stop=None):
-        if self.center and self.key_mean is None:
-            self.key_mean = first_write_mean(keys, start, stop)
-            if self.center == "kv":
-                self.value_mean = first_write_mean(values, start, stop)
-
-    def set_weights(self, keys, queries=None, start=None, stop=None):
-        """Set the key weights from a first write's ``keys`` (as they came) and
-        its ``queries`` (weights of ones without)."""
-        keys = keys.astype(mx.float32)
-        if self.key_mean is not None:
-            keys = keys - self.key_mean
-        self.key_weights = query_key_weights(
-            keys, queries, start, stop, mode=self.key_scale
+    @property
+    def fixed(self) -> bool:
+        """Whether what it does is known: set from the first tokens, or nothing."""
+        return (not self.center or self.key_mean is not None) and (
+            not self.key_scale or self.key_weights is not None
         )
+
+    def fix(self, keys, values, query_energy=None, stop=None):
+        """Set the means and weights from each sequence's first tokens ``keys``
+        and ``values`` (B, n_kv_heads, n, D, as the model made them, the first
+        ``stop`` of them (B,) written; the first, often an attention sink with
+        an outlier key, left out) and the mean squared queries at those
+        positions (``query_key_weights``)."""
+        if self.center:
+            self.key_mean = first_write_mean(keys, stop=stop)
+            if self.center == "kv":
+                self.value_mean = first_write_mean(values, stop=stop)
+        if self.key_scale:
+            centered = keys.astype(mx.float32)
+            if self.key_mean is not None:
+                centered = centered - self.key_mean
+            self.key_weights = query_key_weights(
+                centered, query_energy, self.key_scale, stop
+            )
 
     def __call__(self, keys, values):
         """Keys and values as the codecs encode them."""
