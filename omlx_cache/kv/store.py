@@ -441,18 +441,35 @@ class KVStore:
 
     @state.setter
     def state(self, v):
+        # built apart and taken whole: a rejected state leaves the store as it was
+        self.__dict__.update(self._from_state(v).__dict__)
+
+    def _from_state(self, v):
+        """A store of this type holding the state ``v`` (ValueError if it is
+        not a consistent one)."""
         *arrays, settings = v
         try:
             settings = json.loads(settings)
         except (TypeError, ValueError):
             raise ValueError(
                 f"{type(self).__name__}: the state's settings are not JSON."
+            ) from None
+        if len(arrays) != 14:
+            raise ValueError(
+                f"{type(self).__name__}: a state has 15 items, got {len(v)}."
             )
         key_pages, value_pages, *rest = arrays
         spans, means, rows = rest[:4], rest[4:7], rest[7:]
-        fresh = type(self)(**settings) if not self._is_batch() else None
-        if fresh is None:
-            fresh = type(self)([0], **settings)
+        try:
+            if self._is_batch():
+                fresh = type(self)([0], **settings)
+            else:
+                fresh = type(self)(**settings)
+        except TypeError as error:
+            raise ValueError(
+                f"{type(self).__name__}: the state's settings are not a store's: "
+                f"{error}"
+            ) from None
         key_pages = [tuple(p) for p in key_pages]
         value_pages = [tuple(p) for p in value_pages]
         _check_pages(fresh.key_codec, key_pages, "key")
@@ -465,23 +482,25 @@ class KVStore:
             value_mean=means[1],
             key_weights=means[2],
         )
-        self.__dict__.update(fresh.__dict__)
-        self.key_pages, self.value_pages = key_pages, value_pages
-        self.spans.first_keys, self.spans.first_values = spans[0], spans[1]
+        fresh.key_pages, fresh.value_pages = key_pages, value_pages
+        fresh.spans.first_keys, fresh.spans.first_values = spans[0], spans[1]
         if (spans[0] is None) != (spans[1] is None):
             raise ValueError("Cache state has kept keys without values or back.")
-        self._set_rows(*rows)
+        if (spans[2] is None) != (spans[3] is None):
+            raise ValueError("Cache state has held keys without values or back.")
+        fresh._set_rows(*rows)
         if spans[2] is not None:
-            self.spans.held_keys, self.spans.held_values = spans[2], spans[3]
-            if self.spans.held_keys.shape[2] < self.spans.n_held:
+            fresh.spans.held_keys, fresh.spans.held_values = spans[2], spans[3]
+            if fresh.spans.held_keys.shape[2] < fresh.spans.n_held:
                 raise ValueError("Cache state holds fewer recent tokens than it says.")
-            if not self.spans.recent:
+            if not fresh.spans.recent:
                 # a kernel's buffer: written to the pages at the next write
-                self.spans.hold = None
-        elif self.spans.n_held:
+                fresh.spans.hold = None
+        elif fresh.spans.n_held:
             raise ValueError("Cache state says it holds recent tokens but has none.")
-        if self.capacity < self._written - self.dropped:
+        if fresh.capacity < fresh._written - fresh.dropped:
             raise ValueError("Cache state holds fewer tokens than its offset.")
+        return fresh
 
     def _is_batch(self) -> bool:
         return False
@@ -611,10 +630,9 @@ class BatchKVStore(KVStore):
     @state.setter
     def state(self, v):
         *rest, left_padding, settings = v
-        KVStore.state.fset(self, (*rest, settings))
-        self.left_padding = left_padding
-        self._right_padding = None
-        self._valid_stop = None
+        fresh = self._from_state((*rest, settings))
+        fresh.left_padding = left_padding
+        self.__dict__.update(fresh.__dict__)
 
     def _rows_state(self):
         return (self.offset, self._idx, self._written, self.dropped, self.spans.n_held)
