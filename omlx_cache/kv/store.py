@@ -500,6 +500,7 @@ class KVStore:
             raise ValueError("Cache state says it holds recent tokens but has none.")
         if fresh.capacity < fresh._written - fresh.dropped:
             raise ValueError("Cache state holds fewer tokens than its offset.")
+        _check_shapes(fresh)
         return fresh
 
     def _is_batch(self) -> bool:
@@ -528,6 +529,46 @@ class KVStore:
 def _check_pages(codec_, pages, name):
     if any(len(page) != codec_.parts for page in pages):
         raise ValueError(f"Cache state does not hold {codec_.spec} {name} pages.")
+
+
+def _check_shapes(store):
+    """ValueError unless a state's kept and held tokens and its transform
+    have the pages' sequences, heads and head dims."""
+    spans, transform = store.spans, store.transform
+    if store.key_pages:
+        page = store.key_pages[0][0], store.value_pages[0][0]
+        B, heads = page[0].shape[:2]
+        dims = (
+            store.key_codec.dim(store.key_pages[0]),
+            store.value_codec.dim(store.value_pages[0]),
+        )
+    else:
+        like = (spans.held_keys, spans.held_values)
+        if like[0] is None:
+            like = (spans.first_keys, spans.first_values)
+        if like[0] is None:
+            return
+        B, heads = like[0].shape[:2]
+        dims = (like[0].shape[3], like[1].shape[3])
+    arrays = [
+        ("key mean", transform.key_mean, (B, heads, 1, dims[0])),
+        ("value mean", transform.value_mean, (B, heads, 1, dims[1])),
+        ("key weights", transform.key_weights, (B, heads, 1, dims[0])),
+        ("kept keys", spans.first_keys, (B, heads, spans.first, dims[0])),
+        ("kept values", spans.first_values, (B, heads, spans.first, dims[1])),
+    ]
+    for name, x, d in (
+        ("held keys", spans.held_keys, dims[0]),
+        ("held values", spans.held_values, dims[1]),
+    ):
+        if x is not None:
+            arrays.append((name, x, (B, heads, x.shape[2], d)))
+    for name, x, shape in arrays:
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(
+                f"Cache state's {name}: shape {tuple(x.shape)}, where its pages "
+                f"and settings give {shape}."
+            )
 
 
 def _write(pages, encoded, start, capacity):
