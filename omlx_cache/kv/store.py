@@ -390,7 +390,8 @@ class KVStore:
         return not self.dropped
 
     def trim(self, n):
-        n = min(self._idx, n)
+        # rows a window dropped are gone: trimmed no further
+        n = min(self._idx - self.dropped, n)
         self._flush_pending()
         if self.spans.recent:
             held = self.spans.trim_held(n)
