@@ -160,6 +160,11 @@ class KVSpec:
     def check(self):
         """ValueError naming what does not hold."""
         if self.bits is None:
+            if self != KVSpec():
+                raise ValueError(
+                    f"{self.name or self}: a quantized scheme needs bits= "
+                    "(or a preset); fp16 takes no items."
+                )
             return
         self.codecs()
         if self.more:
