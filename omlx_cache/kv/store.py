@@ -422,8 +422,10 @@ class KVStore:
 
     @property
     def state(self):
-        self._flush_pending()
-        self.spans.land(self._prepare_held)
+        # a kernel's held decode tokens go to the pages: a state does not say
+        # in which domain they are held (``kernels.Hold.rotated``), and a
+        # store loaded elsewhere may hold none
+        self._flush()
         spans = self.spans
         return (
             [list(page) for page in self.key_pages],
@@ -491,12 +493,13 @@ class KVStore:
             raise ValueError("Cache state has held keys without values or back.")
         fresh._set_rows(*rows)
         if spans[2] is not None:
+            if not fresh.spans.recent:
+                raise ValueError(
+                    "Cache state holds recent tokens but no residual (recent=0)."
+                )
             fresh.spans.held_keys, fresh.spans.held_values = spans[2], spans[3]
             if fresh.spans.held_keys.shape[2] < fresh.spans.n_held:
                 raise ValueError("Cache state holds fewer recent tokens than it says.")
-            if not fresh.spans.recent:
-                # a kernel's buffer: written to the pages at the next write
-                fresh.spans.hold = None
         elif fresh.spans.n_held:
             raise ValueError("Cache state says it holds recent tokens but has none.")
         if fresh.capacity < fresh._written - fresh.dropped:
