@@ -52,18 +52,23 @@ def codec_round(codec, x):
 def stored(store):
     """What a store's attention reads, in float32, as the model gave it: the
     pages decoded (rows ``dropped`` on), each sequence's first tokens as the
-    first span keeps them, the recent tokens as held, rotated back, keys
-    unweighted and uncentered, values uncentered. Pending first writes are
-    written (weights of ones), held kernel tokens flushed."""
+    first span keeps them, the recent or held tokens as held, rotated back,
+    keys unweighted and uncentered, values uncentered. A pending first write
+    is written (weights of ones) and an incoming held token landed."""
     kc, vc = store.key_codec, store.value_codec
     spans = store.spans
-    keys, values = store.keys_and_values()
-    if keys:
-        keys, values = kc.decode(keys, mx.float32), vc.decode(values, mx.float32)
-    else:  # every token held (a residual not yet full)
-        keys, values = (
-            x[:, :, :0].astype(mx.float32) for x in spans.recent_tokens()[:2]
-        )
+    store._flush_pending()
+    spans.land(store._prepare_held)
+    length = store._written - store.dropped
+    parts = []
+    for codec, pages in ((kc, store.key_pages), (vc, store.value_pages)):
+        decoded = [codec.decode(page, mx.float32) for page in pages]
+        if decoded:
+            parts.append(mx.concatenate(decoded, axis=2)[:, :, :length])
+        else:  # every token held (a residual not yet full)
+            held = spans.held_keys if codec is kc else spans.held_values
+            parts.append(held[:, :, :0].astype(mx.float32))
+    keys, values = parts
     if spans.first_keys is not None:
         padding = store.left_padding_array().tolist()
         for i, pad in enumerate(padding):
