@@ -417,6 +417,23 @@ def test_a_batch_weighs_each_sequence_by_its_own_queries():
         assert relative_error(out[i : i + 1, :, pad:], want) < 1e-4
 
 
+@pytest.mark.parametrize("mode", ["qk", "q"])
+@pytest.mark.parametrize("window", [None, 128])
+def test_weighted_8_bit_stores_attend_as_float(mode, window):
+    # a window never full here: the same as a store of every token
+    keys, values, queries = skewed(60, seed=1)
+    s = KVStore(Affine(8), center="k", key_scale=mode, window=window)
+    outs, start = [], 0
+    for stop in (40, 41, 60):  # prefill, decode, chunk
+        mask = s.make_mask(stop - start)
+        s.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])
+        outs.append(attend(s, queries[:, :, start:stop], mask))
+        start = stop
+    ref = float_attention(queries, keys, values, "causal")
+    assert s.transform.key_weights.shape == (1, 2, 1, 64) and s.offset == 60
+    assert relative_error(mx.concatenate(outs, axis=2), ref) < 2e-2
+
+
 def test_generation_through_weighted_8_bit_stores(model):
     prompt = mx.array(list(range(3, 40)))
 
@@ -517,6 +534,19 @@ def test_a_window_keeps_its_sinks():
             want = attend(whole, queries, visible)
             assert relative_error(attend(s, queries, mask), want) < 1e-5
     assert s.dropped == 64 and s.spans.first_keys is not None
+
+
+def test_lossless_stores_attend_as_the_models_own_caches():
+    # windows of Plain codecs (centered too): the model's own rotating caches
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_gemma()
+    tokens = mx.random.randint(0, 128, (1, 50), key=mx.random.key(4))
+    ref = run_gemma(model, tokens, make_prompt_cache(model))
+    for center in ("", "kv"):
+        caches = KVSpec.parse(f"bits=16 center={center or 'none'}").make_cache(model)
+        assert [c.window for c in caches] == [16, 16, None]
+        assert relative_error(run_gemma(model, tokens, caches), ref) < 1e-5
 
 
 def test_a_window_round_trips_through_its_state():
@@ -716,6 +746,19 @@ def test_generate_step_feeds_and_reserves(model):
     # and reserves the whole generation: one page of the prompt and max_tokens
     assert caches[0].reserve == len(prompt) + 12
     assert [p[0].shape[2] for p in caches[0].key_pages] == [64]
+    # lossless values and 4-bit keys stay close to the model's own caches
+    near = [KVStore(4, Plain()) for _ in model.layers]
+    exact = [KVCache() for _ in model.layers]
+    tokens = [
+        [
+            int(t)
+            for t, _ in generate_step(
+                mx.array(prompt), model, max_tokens=12, prompt_cache=caches
+            )
+        ]
+        for caches in (near, exact)
+    ]
+    assert sum(a == b for a, b in zip(*tokens)) >= 6
 
 
 # ---------------------------------------------------------------------------
