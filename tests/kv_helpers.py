@@ -71,13 +71,16 @@ def stored(store):
     keys, values = parts
     if spans.first_keys is not None:
         padding = store.left_padding_array().tolist()
-        for i, pad in enumerate(padding):
+        # a KVStore's sequences (any batch size) all start at row 0
+        rows = [slice(i, i + 1) for i in range(len(padding))]
+        if len(padding) == 1:
+            rows = [slice(None)]
+        for i, pad in zip(rows, padding):
             lo = pad - store.dropped
             n = min(spans.first, keys.shape[2] - lo)
-            if lo < 0 or n <= 0:
-                continue
-            keys[i : i + 1, :, lo : lo + n] = spans.first_keys[i : i + 1, :, :n]
-            values[i : i + 1, :, lo : lo + n] = spans.first_values[i : i + 1, :, :n]
+            if lo >= 0 and n > 0:
+                keys[i, :, lo : lo + n] = spans.first_keys[i, :, :n]
+                values[i, :, lo : lo + n] = spans.first_values[i, :, :n]
     if spans.n_held:
         held = [
             x[:, :, : spans.n_held].astype(mx.float32)

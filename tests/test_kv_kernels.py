@@ -864,3 +864,40 @@ def test_cuda_decode_steps_share_one_plan():
         step()
     assert codebook_kernel._decode_plan.cache_info().hits == hits + 3
     assert s.spans.n_held == 5
+
+
+# ---------------------------------------------------------------------------
+# The GPU check scripts, dry
+
+
+SCRIPTS = {
+    "codebook_kernel_check": ("attention", "batched"),
+    "decode_kernel_check": ("correctness",),
+    "prefill_kernel_check": ("correctness", "ops"),
+    "decode_mask_check": ("rows",),
+}
+
+
+@pytest.mark.skipif(ON_CUDA, reason="a dry run is the CPU's")
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_gpu_check_scripts_run_dry(name, tmp_path):
+    """scripts/gpu's kernel checks run on the CPU with --dry-run: small
+    shapes through the MLX-ops loop (the kernels' path is the loop here),
+    their JSON written; without it they stop (no CUDA)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu" / f"{name}.py"
+    out = tmp_path / "check.json"
+    run = [sys.executable, str(script), "--out", str(out)]
+    subprocess.run([*run, "--dry-run"], check=True, capture_output=True)
+    report = json.loads(out.read_text())
+    assert report["dry_run"] and report["kernels"] == NAMES
+    for part in SCRIPTS[name]:
+        rows = report[part]
+        assert rows and all(row.get("kernel_vs_ops", 0) == 0 for row in rows)
+        assert all(row.get("kernel_rel_err", 0) < 0.01 for row in rows)
+    stopped = subprocess.run(run, check=False, capture_output=True, text=True)
+    assert stopped.returncode != 0 and "no CUDA device" in stopped.stderr

@@ -166,6 +166,20 @@ def test_first_tokens_are_read_as_they_came(name, center, n, lengths):
     assert mx.array_equal(v[:, :, count:], pv[:, :, count:])
 
 
+@pytest.mark.parametrize("name", ["codebook-3", "affine-4-rotated"])
+def test_first_tokens_of_each_sequence_of_a_store(name):
+    # a KVStore of two sequences (no padding): each keeps its own
+    keys, values = random_kv(2, 2, 40, 64, seed=2)
+    s = store(name, first=8)
+    s.update_and_fetch(keys[:, :, :30], values[:, :, :30])
+    s.update_and_fetch(keys[:, :, 30:], values[:, :, 30:])
+    assert s.spans.first_keys.shape == (2, 2, 8, 64)
+    assert mx.allclose(stored(s)[0][:, :, :8], keys[:, :, :8], atol=1e-4)
+    queries = mx.random.normal((2, 4, 10, 64))
+    out = attend(s, queries, "causal")
+    assert relative_error(out, reference(s, queries, "causal")) < 1e-4
+
+
 def test_first_tokens_lower_the_error():
     keys, values = random_kv(1, 2, 40, 64, seed=0)
     keys = keys.at[..., 0, :].multiply(20)  # an outlier first key, as sinks are
