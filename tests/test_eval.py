@@ -586,7 +586,7 @@ def test_values_of_global_layers(model):
     """``+v5@global``: the values of the whole-context layers of a model with
     sliding windows (Gemma 3) at 5 bits; a model without them has none."""
     from mlx_lm.models import gemma3_text
-    from test_center import TINY_GEMMA
+    from tiny_gemma import TINY_GEMMA
 
     gemma = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(TINY_GEMMA))
     assert schemes.global_layers(gemma) == (2,)

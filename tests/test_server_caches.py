@@ -10,8 +10,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm import load
 from mlx_lm.generate import generate_step
-from test_center_key_scale import tiny_gemma
 from test_server_real import QUESTIONS
+from tiny_gemma import tiny_gemma
 
 from omlx_cache import schemes, server_caches
 from omlx_cache.center import CenteredQuantizedKVCache, CenteredQuantizedRotatingKVCache
