@@ -80,7 +80,7 @@ def test_caches_and_their_line(smollm2, capsys):
 
 
 def test_max_kv_size_bounds_the_unbounded_layers_only():
-    model = tiny_gemma.make_model()
+    model = tiny_gemma.tiny_gemma()
     plain = factory.from_args(args("q4-recall"))(model)
     bounded = factory.from_args(args("q4-recall"))(model, 64)
     assert [c.window for c in plain] == [16, 16, None]
@@ -123,7 +123,7 @@ def test_cq4_fits_its_layers_when_the_caches_are_first_made(
     layers fitted within 4.6 bits on text the model samples, once, in two
     lines (a second factory reads the profile)."""
     monkeypatch.setenv("OMLX_CACHE_HOME", str(tmp_path))
-    model = tiny_gemma.make_model()
+    model = tiny_gemma.tiny_gemma()
     caches = factory.from_args(args("cq4"))(model)
     err = capsys.readouterr().err.splitlines()
     # on text as long as its 16-token windows (fit.fit_tokens)

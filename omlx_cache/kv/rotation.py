@@ -13,6 +13,17 @@ import numpy as np
 ROTATIONS = ("hadamard", "givens", "none")
 
 _MATRICES = {}
+# the m of the sizes m * 2**k that mx.hadamard_transform takes
+HADAMARD_BASES = (1, 12, 20, 28)
+
+
+def has_hadamard(dim: int) -> bool:
+    """Whether ``mx.hadamard_transform`` takes ``dim`` (``m * 2**k``, m in
+    ``HADAMARD_BASES``). Other sizes must not reach it: MLX 0.32 raises for
+    some (88, 104) and corrupts the heap for others (72, 120, 144)."""
+    while dim % 2 == 0 and dim not in HADAMARD_BASES:
+        dim //= 2
+    return dim in HADAMARD_BASES
 
 
 def hadamard_matrix(dim: int, dtype=mx.float32) -> mx.array:
@@ -21,10 +32,13 @@ def hadamard_matrix(dim: int, dtype=mx.float32) -> mx.array:
     20, 28), else a fixed random orthogonal matrix (seed 0)."""
     if (dim, dtype) not in _MATRICES:
         eye = mx.eye(dim)
-        rotation = mx.hadamard_transform(eye, stream=mx.cpu)
-        # checked on the CPU: a GPU matmul may run in TF32, too coarse for 1e-4
-        product = mx.matmul(rotation, rotation.T, stream=mx.cpu)
-        if not mx.allclose(product, eye, atol=1e-4, stream=mx.cpu).item():
+        orthogonal = False
+        if has_hadamard(dim):
+            rotation = mx.hadamard_transform(eye, stream=mx.cpu)
+            # checked on the CPU: a GPU matmul may run in TF32, too coarse for 1e-4
+            product = mx.matmul(rotation, rotation.T, stream=mx.cpu)
+            orthogonal = mx.allclose(product, eye, atol=1e-4, stream=mx.cpu).item()
+        if not orthogonal:
             normal = mx.random.normal((dim, dim), key=mx.random.key(0))
             rotation, _ = mx.linalg.qr(normal, stream=mx.cpu)
         _MATRICES[dim, dtype] = rotation.astype(dtype)

@@ -167,7 +167,10 @@ class KVSpec:
         """ValueError naming what does not hold."""
         if self.bits is None:
             if self != KVSpec():
-                raise ValueError(f"{self.name}: a scheme needs bits= (or fp16).")
+                raise ValueError(
+                    f"{self.name or self}: a scheme needs bits= (or a preset); "
+                    "fp16 takes no items."
+                )
             return
         self.codecs()
         if self.more:

@@ -512,7 +512,8 @@ class KVStore:
         return not self.dropped
 
     def trim(self, n):
-        n = min(self._idx, n)
+        # rows a window dropped are gone: trimmed no further
+        n = min(self._idx - self.dropped, n)
         self._flush_pending()
         if self.spans.recent:
             held = self.spans.trim_held(n)
@@ -543,8 +544,10 @@ class KVStore:
 
     @property
     def state(self):
-        self._flush_pending()
-        self.spans.land(self._prepare_held)
+        # a kernel's held decode tokens go to the pages: a state does not say
+        # in which domain they are held (``kernels.Hold.rotated``), and a
+        # store loaded elsewhere may hold none
+        self._flush()
         spans = self.spans
         return (
             [list(page) for page in self.key_pages],
@@ -563,18 +566,35 @@ class KVStore:
 
     @state.setter
     def state(self, v):
+        # built apart and taken whole: a rejected state leaves the store as it was
+        self.__dict__.update(self._from_state(v).__dict__)
+
+    def _from_state(self, v):
+        """A store of this type holding the state ``v`` (ValueError if it is
+        not a consistent one)."""
         *arrays, settings = v
         try:
             settings = json.loads(settings)
         except (TypeError, ValueError):
             raise ValueError(
                 f"{type(self).__name__}: the state's settings are not JSON."
+            ) from None
+        if len(arrays) != 14:
+            raise ValueError(
+                f"{type(self).__name__}: a state has 15 items, got {len(v)}."
             )
         key_pages, value_pages, *rest = arrays
         spans, means, rows = rest[:4], rest[4:7], rest[7:]
-        fresh = type(self)(**settings) if not self._is_batch() else None
-        if fresh is None:
-            fresh = type(self)([0], **settings)
+        try:
+            if self._is_batch():
+                fresh = type(self)([0], **settings)
+            else:
+                fresh = type(self)(**settings)
+        except TypeError as error:
+            raise ValueError(
+                f"{type(self).__name__}: the state's settings are not a store's: "
+                f"{error}"
+            ) from None
         key_pages = [tuple(p) for p in key_pages]
         value_pages = [tuple(p) for p in value_pages]
         _check_pages(fresh.key_codec, key_pages, "key")
@@ -587,23 +607,27 @@ class KVStore:
             value_mean=means[1],
             key_weights=means[2],
         )
-        self.__dict__.update(fresh.__dict__)
-        self.key_pages, self.value_pages = key_pages, value_pages
-        self.spans.first_keys, self.spans.first_values = spans[0], spans[1]
+        fresh.key_pages, fresh.value_pages = key_pages, value_pages
+        fresh.spans.first_keys, fresh.spans.first_values = spans[0], spans[1]
         if (spans[0] is None) != (spans[1] is None):
             raise ValueError("Cache state has kept keys without values or back.")
-        self._set_rows(*rows)
+        if (spans[2] is None) != (spans[3] is None):
+            raise ValueError("Cache state has held keys without values or back.")
+        fresh._set_rows(*rows)
         if spans[2] is not None:
-            self.spans.held_keys, self.spans.held_values = spans[2], spans[3]
-            if self.spans.held_keys.shape[2] < self.spans.n_held:
+            if not fresh.spans.recent:
+                raise ValueError(
+                    "Cache state holds recent tokens but no residual (recent=0)."
+                )
+            fresh.spans.held_keys, fresh.spans.held_values = spans[2], spans[3]
+            if fresh.spans.held_keys.shape[2] < fresh.spans.n_held:
                 raise ValueError("Cache state holds fewer recent tokens than it says.")
-            if not self.spans.recent:
-                # a kernel's buffer: written to the pages at the next write
-                self.spans.hold = None
-        elif self.spans.n_held:
+        elif fresh.spans.n_held:
             raise ValueError("Cache state says it holds recent tokens but has none.")
-        if self.capacity < self._written - self.dropped:
+        if fresh.capacity < fresh._written - fresh.dropped:
             raise ValueError("Cache state holds fewer tokens than its offset.")
+        _check_shapes(fresh)
+        return fresh
 
     def _is_batch(self) -> bool:
         return False
@@ -631,6 +655,46 @@ class KVStore:
 def _check_pages(codec_, pages, name):
     if any(len(page) != codec_.parts for page in pages):
         raise ValueError(f"Cache state does not hold {codec_.spec} {name} pages.")
+
+
+def _check_shapes(store):
+    """ValueError unless a state's kept and held tokens and its transform
+    have the pages' sequences, heads and head dims."""
+    spans, transform = store.spans, store.transform
+    if store.key_pages:
+        page = store.key_pages[0][0], store.value_pages[0][0]
+        B, heads = page[0].shape[:2]
+        dims = (
+            store.key_codec.dim(store.key_pages[0]),
+            store.value_codec.dim(store.value_pages[0]),
+        )
+    else:
+        like = (spans.held_keys, spans.held_values)
+        if like[0] is None:
+            like = (spans.first_keys, spans.first_values)
+        if like[0] is None:
+            return
+        B, heads = like[0].shape[:2]
+        dims = (like[0].shape[3], like[1].shape[3])
+    arrays = [
+        ("key mean", transform.key_mean, (B, heads, 1, dims[0])),
+        ("value mean", transform.value_mean, (B, heads, 1, dims[1])),
+        ("key weights", transform.key_weights, (B, heads, 1, dims[0])),
+        ("kept keys", spans.first_keys, (B, heads, spans.first, dims[0])),
+        ("kept values", spans.first_values, (B, heads, spans.first, dims[1])),
+    ]
+    for name, x, d in (
+        ("held keys", spans.held_keys, dims[0]),
+        ("held values", spans.held_values, dims[1]),
+    ):
+        if x is not None:
+            arrays.append((name, x, (B, heads, x.shape[2], d)))
+    for name, x, shape in arrays:
+        if x is not None and tuple(x.shape) != shape:
+            raise ValueError(
+                f"Cache state's {name}: shape {tuple(x.shape)}, where its pages "
+                f"and settings give {shape}."
+            )
 
 
 def _write(pages, encoded, start, capacity):
@@ -753,10 +817,9 @@ class BatchKVStore(KVStore):
     @state.setter
     def state(self, v):
         *rest, left_padding, settings = v
-        KVStore.state.fset(self, (*rest, settings))
-        self.left_padding = left_padding
-        self._right_padding = None
-        self._valid_stop = None
+        fresh = self._from_state((*rest, settings))
+        fresh.left_padding = left_padding
+        self.__dict__.update(fresh.__dict__)
 
     def _rows_state(self):
         return (self.offset, self._idx, self._written, self.dropped, self.spans.n_held)

@@ -1,80 +1,79 @@
-"""Batched decode with left padding on the GPU machine: the fused kernel with
-a boolean mask against float32 attention (correctness) and against fp16 SDPA
-with the same mask over the dequantized cache (speed), at one layer of a
-Llama-3-8B shape (32 q / 8 kv heads, D=128, 8,4 cache).
+"""Batched decode with left padding on the GPU machine: a ``BatchKVStore`` of
+``Affine(8)`` keys and ``Affine(4)`` values (group 64) at one layer of a
+Llama-3-8B shape (32 q / 8 kv heads, D=128), its decode step through the
+affine decode kernel with the batch's boolean mask and through
+``omlx_cache.kv.kernels.disabled()`` (the MLX-ops loop), each against float32
+attention over what the store holds (correctness); and the kernel's time with
+and without the mask against fp16 SDPA with the same mask over the
+dequantized keys and values (speed).
 
     python3 scripts/gpu/decode_mask_check.py --batch 8 --contexts 4096,32768 --out $OUT/mask.json
+
+``--dry-run`` runs the same code on the CPU at small shapes, through the
+MLX-ops loop (no kernel applies there): it checks the script, not the kernel.
 """
 
 import argparse
 import json
-import time
 from functools import partial
 
 import mlx.core as mx
-from decode_kernel_check import dequantized
-from mlx_lm.models import quantized_decode
-from mlx_lm.models.base import scaled_dot_product_attention
-from mlx_lm.models.cache import QuantizedKVCache
+from kv_check import add_dry_run, compare, fill, ms_per_call, start, stored
 
-N_Q, N_KV, D = 32, 8, 128
-SCALE = D**-0.5
+from omlx_cache import kernels as backend
+from omlx_cache.kv import Affine, BatchKVStore
+from omlx_cache.kv.attention import Call
 
 
-def filled_cache(bits, context, batch):
-    """One layer's quantized cache (group 64) holding ``context`` random keys
-    and values per sequence."""
-    cache = QuantizedKVCache(64, bits)
-    chunk = 4096
-    k = mx.random.normal((batch, N_KV, chunk, D)).astype(mx.float16)
-    v = mx.random.normal((batch, N_KV, chunk, D)).astype(mx.float16)
-    for start in range(0, context, chunk):
-        n = min(chunk, context - start)
-        cache.update_and_fetch(k[:, :, :n], v[:, :, :n])
-        mx.eval(cache.state)
-    return cache
+def filled_store(context, batch, padding, n_kv, D):
+    """One layer's batch store holding ``context`` rows, sequence ``i`` from
+    row ``padding[i]`` on (its left padding), the last token written as a
+    decode step writes it."""
+    store = BatchKVStore(padding, Affine(8, 64), Affine(4, 64))
+    chunk = min(4096, context)
+    k = mx.random.normal((batch, n_kv, chunk, D)).astype(mx.float16)
+    v = mx.random.normal((batch, n_kv, chunk, D)).astype(mx.float16)
+    for start_ in range(0, context - 1, chunk):
+        n = min(chunk, context - 1 - start_)
+        fill(store, k[:, :, :n], v[:, :, :n])
+    return store
 
 
-def time_calls(fn, calls=16, repeats=7):
-    """ms per call of ``fn``, best of ``repeats`` batches of ``calls``."""
-    mx.eval(fn())
-    best = float("inf")
-    for _ in range(repeats):
-        tic = time.perf_counter()
-        mx.eval([fn() for _ in range(calls)])
-        best = min(best, (time.perf_counter() - tic) / calls)
-    return best * 1e3
-
-
-def check(context, batch, padding_step):
-    cache = filled_cache((8, 4), context, batch)
-    cache.decode_buffer = 0  # the decode token quantized, as the reference reads it
-    zeros = mx.zeros((batch, N_KV, 1, D), mx.float16)
-    keys, values = cache.update_and_fetch(zeros, zeros)
-    length = cache.offset
-    q = mx.random.normal((batch, N_Q, 1, D)).astype(mx.float16)
-    padding = padding_step * mx.arange(batch)
-    mask = (mx.arange(length)[None] >= padding[:, None])[:, None, None]
-    k_hat = dequantized(keys, 64, 8, length)
-    v_hat = dequantized(values, 64, 4, length)
-    mx.eval(k_hat, v_hat, mask)
-
-    attend = partial(scaled_dot_product_attention, q, keys, values, cache=cache)
-    ref = mx.fast.scaled_dot_product_attention(
-        *(x.astype(mx.float32) for x in (q, k_hat, v_hat)), scale=SCALE, mask=mask
+def check(context, batch, padding_step, n_q, n_kv, D):
+    padding = [min(padding_step * i, context - 2) for i in range(batch)]
+    store = filled_store(context, batch, padding, n_kv, D)
+    mask = store.make_mask(1)
+    token = mx.random.normal((batch, n_kv, 1, D)).astype(mx.float16)
+    store.update_and_fetch(token, token)
+    q = mx.random.normal((batch, n_q, 1, D)).astype(mx.float16)
+    scale = D**-0.5
+    call = Call(
+        q,
+        scale,
+        mask,
+        None,
+        store.key_codec,
+        store.value_codec,
+        store.key_pages,
+        store.value_pages,
+        store._written - store.dropped,
+        recent=store.spans.recent_tokens(),
     )
-    out = attend(scale=SCALE, mask=mask).astype(mx.float32)
-    rel_err = (mx.linalg.norm(out - ref) / mx.linalg.norm(ref)).item()
-    sdpa = partial(mx.fast.scaled_dot_product_attention, q, k_hat, v_hat)
-    return {
+    row = {
         "context": context,
         "batch": batch,
-        "kernel_applies": quantized_decode.applies(q, mask, keys, values, 8, 4, length),
-        "rel_err": rel_err,
-        "fp16_sdpa_masked_ms": time_calls(partial(sdpa, scale=SCALE, mask=mask)),
-        "kernel_masked_ms": time_calls(partial(attend, scale=SCALE, mask=mask)),
-        "kernel_unmasked_ms": time_calls(partial(attend, scale=SCALE, mask=None)),
+        "kernel_applies": backend._decode_applies(call),
+        "held": store.spans.n_held,
     }
+    row.update(compare(store, q, scale, mask))
+    keys, values = (x.astype(mx.float16) for x in stored(store))
+    mx.eval(keys, values, mask)
+    sdpa = partial(mx.fast.scaled_dot_product_attention, q, keys, values, scale=scale)
+    attend = partial(store.scaled_dot_product_attention, q, None, None, scale)
+    row["fp16_sdpa_masked_ms"] = ms_per_call(partial(sdpa, mask=mask), reps=7)
+    row["kernel_masked_ms"] = ms_per_call(partial(attend, mask), reps=7)
+    row["kernel_unmasked_ms"] = ms_per_call(partial(attend, None), reps=7)
+    return row
 
 
 def main():
@@ -83,14 +82,19 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--padding-step", type=int, default=37, help="keys per row")
     parser.add_argument("--out", required=True)
+    add_dry_run(parser)
     opts = parser.parse_args()
-    rows = []
-    for context in (int(c) for c in opts.contexts.split(",")):
-        rows.append(check(context, opts.batch, opts.padding_step))
+    report = start(opts)
+    shape = (8, 2, 64) if opts.dry_run else (32, 8, 128)
+    contexts = [300] if opts.dry_run else [int(c) for c in opts.contexts.split(",")]
+    batch = min(opts.batch, 3) if opts.dry_run else opts.batch
+    rows = report["rows"] = []
+    for context in contexts:
+        rows.append(check(context, batch, opts.padding_step, *shape))
         print(json.dumps(rows[-1]), flush=True)
         mx.clear_cache()
     with open(opts.out, "w") as f:
-        json.dump({"device": str(mx.default_device()), "rows": rows}, f, indent=1)
+        json.dump(report, f, indent=1)
 
 
 if __name__ == "__main__":
