@@ -32,6 +32,7 @@ from ``dropped`` to ``written``, the recent span the ones after.
 import json
 
 import mlx.core as mx
+from mlx_lm.models.cache import register_cache_class
 
 from .attention import Call, First, attend
 from .codecs import Affine, codec
@@ -57,6 +58,7 @@ def _causal(N, offset, cols, left_padding=None, window=None):
     return mask
 
 
+@register_cache_class
 class KVStore:
     """A quantized KV cache for one sequence (see the module docstring).
 
@@ -724,6 +726,7 @@ def _joined(pages):
     return tuple(mx.concatenate(parts, axis=2) for parts in zip(*pages))
 
 
+@register_cache_class
 class BatchKVStore(KVStore):
     """``KVStore`` for a batch of left-padded sequences: ``offset`` and
     ``left_padding`` are (B,) arrays, ``merge`` (of ``KVStore``s),
