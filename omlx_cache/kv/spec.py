@@ -23,8 +23,10 @@ The items (``K,V``: keys and values apart; one value: both):
   when a part has fewer than 8 bits, else none (codebooks always rotate).
 - ``center=k|kv|none``, ``qscale=qk|q|none``: the transform (``transform``);
   default none.
-- ``first=N``: each sequence's first N tokens also kept unquantized. Default:
-  16 when a part has fewer than 8 bits, else 0.
+- ``first=N``: each sequence's first N tokens also kept unquantized (and what
+  ``center`` and ``qscale`` are measured on: 2 or more with them). Default: 16
+  when an affine part has fewer than 8 bits, else 8 with ``center`` or
+  ``qscale``, else 0.
 - ``recent=R``: the last R to 2R - 1 tokens held unquantized (a multiple of 8).
 - ``debias=X``: codebook keys' score correction, X times the expected one.
 - ``more=kB|vB|kvB`` with ``layers=L,L,...`` or ``fit=X``: those layers'
@@ -173,6 +175,11 @@ class KVSpec:
                 )
             return
         self.codecs()
+        if (self.center or self.key_scale) and self.first_tokens < 2:
+            raise ValueError(
+                "center= and qscale= are measured on each sequence's first "
+                f"tokens: first= must be 2 or more, got {self.first_tokens}."
+            )
         if self.more:
             self.more_codecs()
             if not self.layers and self.fit is None:
@@ -197,7 +204,10 @@ class KVSpec:
     def first_tokens(self) -> int:
         if self.first is not None:
             return self.first
-        return 16 if min(self.bits) < 8 and "codebook" not in self.codec else 0
+        if min(self.bits) < 8 and "codebook" not in self.codec:
+            return 16
+        # centering and key weights are measured on the first tokens
+        return 8 if self.center or self.key_scale else 0
 
     def _codec(self, i: int, bits: int):
         if bits == 16:
