@@ -247,6 +247,23 @@ def test_trim_takes_the_residuals_tokens_first():
     assert s.offset == 19
 
 
+@pytest.mark.parametrize("cuts", [range(1, 21), (5, 9, 10, 20)])
+def test_a_residuals_writes_without_attention_keep_their_order(cuts):
+    """The write that completes the first tokens waits for its attention
+    call; a write that comes first (no attention between) goes after it."""
+    keys, values = random_kv(1, 2, 20, 64, seed=1, offset=2)
+    s = KVStore(
+        Affine(4, 64, "hadamard"), center="k", key_scale="qk", first=8, recent=16
+    )
+    start = 0
+    for stop in cuts:
+        s.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])
+        start = stop
+    assert (s._idx, s.spans.n_held) == (20, 20)
+    k, v = stored(s)  # every token held: as it came
+    assert mx.allclose(k, keys, atol=1e-5) and mx.allclose(v, values, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------
 # Centering
 

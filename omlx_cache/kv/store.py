@@ -299,6 +299,8 @@ class KVStore:
             if released is not None:
                 self._write_rows(*released, rotated=self.spans.rotated)
         elif self.spans.recent:
+            # a pending write goes first (written when no attention came)
+            self._flush_pending()
             self._keep_first(keys, values, self._idx)
             aged = self.spans.age(*self._prepared(keys, values, rotated=True))
             if aged is not None:
