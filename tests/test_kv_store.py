@@ -955,6 +955,42 @@ def test_right_padding_is_left_out_of_the_mean():
     assert mx.allclose(batch.transform.key_mean[1], expected, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{"center": "kv"}, {"center": "k", "key_scale": "qk"}, {"key_scale": "q"}],
+    ids=["kv", "k-qk", "q"],
+)
+def test_a_batch_of_unequal_padding_fixes_its_transform_before_a_later_row(settings):
+    """Left padding 0 and 6, first=4, token by token: the least padded
+    sequence's rows after its first tokens go to the pages from row 4 on,
+    while the other has none of its first tokens yet. The transform is fixed
+    before the first of them is written (the other sequence's from the
+    first tokens it has then: none, no transform): lossless codecs attend as
+    float32 attention over the keys and values as they came."""
+    keys, values = random_kv(2, 2, 20, 64, seed=1, offset=4)
+    batch = BatchKVStore([0, 6], Plain(), Plain(), first=4, **settings)
+    for t in range(20):
+        queries = mx.random.normal((2, 4, 1, 64))
+        mask = batch.make_mask(1, return_array=True)
+        batch.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+        out = attend(batch, queries, mask)
+        assert batch.transform.fixed == (t >= 4), t
+        for i, pad in enumerate((0, 6)):
+            if t < pad:
+                continue
+            rows = slice(pad, t + 1)
+            want = float_attention(
+                queries[i : i + 1], keys[i : i + 1, :, rows], values[i : i + 1, :, rows]
+            )
+            assert relative_error(out[i : i + 1], want) < 1e-5, (t, i)
+    # the second sequence had no token when the transform was fixed
+    t = batch.transform
+    if t.center:
+        assert not t.key_mean[1].any() and t.key_mean[0].any()
+    if t.key_scale:
+        assert mx.allclose(t.key_weights[1], mx.ones_like(t.key_weights[1]))
+
+
 def test_left_padding_is_added_to_an_empty_batch_only():
     batch = BatchKVStore([0, 1], 4)
     batch.prepare(left_padding=[2, 0])

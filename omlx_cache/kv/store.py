@@ -213,7 +213,9 @@ class KVStore:
             self.spans.keep_first(*self._prepared(k, v, True), row, self.left_padding)
 
     def _first_complete(self, rows) -> bool:
-        """Whether every sequence has its first tokens after ``rows`` rows."""
+        """Whether the transform is fixed with the write that ends at row
+        ``rows``: every sequence has its first tokens then (in a batch of
+        unequal padding, or one has more)."""
         return rows >= self._max_padding() + self.spans.first
 
     def _add_queries(self, queries):
@@ -744,6 +746,17 @@ class BatchKVStore(KVStore):
 
     def _max_padding(self) -> int:
         return max(self.left_padding.tolist(), default=0)
+
+    def _first_complete(self, rows) -> bool:
+        # A sequence's rows after its first tokens are read from the pages:
+        # with unequal left padding the transform is fixed before the first
+        # of them is written, the more padded sequences' from the first
+        # tokens they have then (none: no transform).
+        padding = self.left_padding.tolist()
+        if not padding:
+            return False
+        first = self.spans.first
+        return rows >= min(max(padding) + first, min(padding) + first + 1)
 
     def left_padding_array(self):
         return self.left_padding
