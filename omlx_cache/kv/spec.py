@@ -286,7 +286,8 @@ class KVSpec:
             return tokens * heads * sum(dims) * SCALE_BITS / 8
         codecs = self.more_codecs() if layer in self.layers else self.codecs()
         held = _mean_held(self.recent if shape.window is None else 0, tokens)
-        first = min(self.first_tokens, tokens - held)
+        # the first tokens are kept from the start, held ones too
+        first = min(self.first_tokens, tokens)
         if shape.window is not None:
             first = max(first, shape.keep)
         bits = 0.0
