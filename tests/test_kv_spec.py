@@ -122,6 +122,13 @@ def test_items_the_parser_reads():
         ("bits=4 more=k5 fit=x", r"fit='x': a number"),
         ("center=k", r"center=k: a quantized scheme needs bits="),
         ("first=4 recent=8", r"a quantized scheme needs bits="),
+        (
+            "bits=8 center=k",
+            r"center= and qscale= .* need first=2 or more, got first=0",
+        ),
+        ("codec=codebook bits=4 qscale=q", r"need first=2 or more, got first=0"),
+        ("bits=4 center=kv first=1", r"need first=2 or more, got first=1"),
+        ("cq4 first=0", r"need first=2 or more, got first=0"),
     ],
 )
 def test_a_bad_item_is_named(text, match):

@@ -173,6 +173,12 @@ class KVSpec:
                 )
             return
         self.codecs()
+        if (self.center or self.key_scale) and self.first_tokens < 2:
+            # what a store refuses, said when the scheme is read
+            raise ValueError(
+                "center= and qscale= are measured on each sequence's first "
+                f"tokens: they need first=2 or more, got first={self.first_tokens}."
+            )
         if self.more:
             self.more_codecs()
             if not self.layers and self.fit is None:
