@@ -167,17 +167,26 @@ def test_a_kernel_that_applies_runs_and_one_that_declines_falls_through(register
 
 
 def test_the_call_a_store_makes():
-    s = KVStore(Codebook(3), Affine(4, 64, "hadamard"), center="kv", key_scale="qk")
+    s = KVStore(
+        Codebook(3), Affine(4, 64, "hadamard"), center="kv", key_scale="qk", first=4
+    )
     keys, values = random_kv(1, 2, 30, 64, seed=3, offset=3)
     s.update_and_fetch(keys, values)
     queries = mx.random.normal((1, 4, 30, 64))
     call = call_of(s, queries, "causal")
     assert call.length == call.total == 30 and call.mask == "causal"
     assert call.key_codec == Codebook(3) and call.value_codec.bits == 4
-    assert call.key_mean is s.transform.key_mean
-    assert call.value_mean is s.transform.value_mean
-    assert call.key_weights is s.transform.key_weights
-    assert call.first is None and call.recent is None and call.sinks is None
+    # the transform, fixed by this call's queries at positions 1 to 3
+    assert call.key_mean is s.transform.key_mean is not None
+    assert call.value_mean is s.transform.value_mean is not None
+    assert call.key_weights is s.transform.key_weights is not None
+    assert call.recent is None and call.sinks is None
+    # the first tokens, centered, weighted and rotated as the pages' rows
+    assert (call.first.first, call.first.count, call.first.mask) == (0, 4, None)
+    assert call.first.keys is s.spans.first_keys
+    t = s.transform
+    want = rotate((keys[:, :, :4] - t.key_mean) * t.key_weights, "hadamard")
+    assert mx.allclose(call.first.keys, want, atol=1e-5)
     # queries divided by the key weights, rotated as the keys are
     want = rotate(queries / mx.repeat(call.key_weights, 2, axis=1), "hadamard")
     assert mx.allclose(call.rotated_queries(), want, atol=1e-5)
@@ -196,7 +205,8 @@ def held_for_the_test(rotated):
 
 @pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize(
-    "settings", [{}, {"center": "kv"}, {"center": "k", "key_scale": "q", "first": 4}]
+    "settings",
+    [{}, {"center": "kv", "first": 8}, {"center": "k", "key_scale": "q", "first": 4}],
 )
 def test_held_decode_tokens_change_nothing_but_when_they_are_encoded(
     register, rotated, settings
