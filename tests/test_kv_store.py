@@ -41,7 +41,8 @@ CODECS = {
 SETTINGS = {
     "plain": {},
     "first": {"first": 4},
-    "center-kv": {"center": "kv"},
+    # a transform needs first tokens: 2, the fewest
+    "center-kv": {"center": "kv", "first": 2},
     "residual": {"recent": 16},
     "weighted": {"center": "k", "key_scale": "qk", "first": 4},
     "everything": {"center": "kv", "key_scale": "q", "first": 16, "recent": 8},
@@ -123,6 +124,10 @@ def test_settings_a_store_refuses():
         ({"window": 16, "recent": 8}, "needs a store without a window"),
         ({"center": "v"}, "center must be one of"),
         ({"key_scale": "k"}, "key_scale must be one of"),
+        # a transform is measured on the first tokens (the first left out)
+        ({"center": "k"}, "first must be 2 or more, got 0"),
+        ({"key_scale": "q", "first": 1}, "first must be 2 or more, got 1"),
+        ({"center": "kv", "window": 16, "keep": 1}, "first must be 2 or more"),
     ):
         with pytest.raises(ValueError, match=match):
             KVStore(3, **settings)
@@ -140,30 +145,49 @@ def test_settings_a_store_refuses():
     "name", ["codebook-3", "codebook-3k-affine4v", "codebook-4k-3v-n8", "affine-8,4"]
 )
 @pytest.mark.parametrize("center", ["", "k", "kv"])
-@pytest.mark.parametrize("n,lengths", [(4, (50, 1)), (16, (9, 30, 1)), (1, (70,))])
+@pytest.mark.parametrize(
+    "n,lengths", [(4, (50, 1)), (16, (9, 30, 1)), (2, (70,)), (1, (70,))]
+)
 def test_first_tokens_are_read_as_they_came(name, center, n, lengths):
+    if center and n < 2:
+        with pytest.raises(ValueError, match="first must be 2 or more"):
+            store(name, center=center, first=n)
+        return
     total = sum(lengths)
     keys, values = random_kv(1, 2, total, 64, seed=n + len(lengths), offset=2)
-    kept, plain = store(name, center=center, first=n), store(name, center=center)
+    kept = store(name, center=center, first=n)
     start = 0
     for length in lengths:
         k, v = (x[..., start : start + length, :] for x in (keys, values))
         kept.update_and_fetch(k, v)
-        plain.update_and_fetch(k, v)
         start += length
         queries = mx.random.normal((1, 6, length, 64))
         mask = "causal" if length > 1 else None
         out = attend(kept, queries, mask)
         assert relative_error(out, reference(kept, queries, mask)) < 1e-4
     assert kept.spans.first_keys.shape[2] == n
+    # the means: of the first n tokens, the first left out
+    t = kept.transform
+    if center:
+        mean = keys[:, :, 1:n].mean(axis=2, keepdims=True)
+        assert mx.allclose(t.key_mean, mean, atol=1e-5)
+    if center == "kv":
+        mean = values[:, :, 1:n].mean(axis=2, keepdims=True)
+        assert mx.allclose(t.value_mean, mean, atol=1e-5)
     # what attention reads: the first n tokens as they came, the rest as
-    # a store without them holds them
-    (k, v), (pk, pv) = stored(kept), stored(plain)
+    # the codecs hold them centered
+    k, v = stored(kept)
     count = min(n, total)
     assert mx.allclose(k[:, :, :count], keys[:, :, :count], atol=1e-4)
     assert mx.allclose(v[:, :, :count], values[:, :, :count], atol=1e-4)
-    assert mx.array_equal(k[:, :, count:], pk[:, :, count:])
-    assert mx.array_equal(v[:, :, count:], pv[:, :, count:])
+    rest = [x[:, :, count:] for x in t(keys, values)]
+    rest = [codec_round(c, x) for c, x in zip((kept.key_codec, kept.value_codec), rest)]
+    if t.key_mean is not None:
+        rest[0] = rest[0] + t.key_mean
+    if t.value_mean is not None:
+        rest[1] = rest[1] + t.value_mean
+    assert mx.array_equal(k[:, :, count:], rest[0])
+    assert mx.array_equal(v[:, :, count:], rest[1])
 
 
 @pytest.mark.parametrize("name", ["codebook-3", "affine-4-rotated"])
@@ -270,17 +294,20 @@ def test_a_residuals_writes_without_attention_keep_their_order(cuts):
 
 @pytest.mark.parametrize("center", ["k", "kv"])
 @pytest.mark.parametrize("batch,groups", [(1, 1), (2, 3)])
-def test_unquantized_centered_store_attends_as_float(center, batch, groups):
-    # lossless codecs: only the centering differs
+@pytest.mark.parametrize("cut", [40, 3])
+def test_unquantized_centered_store_attends_as_float(center, batch, groups, cut):
+    # lossless codecs: only the centering differs; the first 8 tokens fix it,
+    # in the first write or (cut 3) in the chunk after a decode token
     keys, values = random_kv(batch, 2, 90, 64, seed=groups, offset=4)
-    s = KVStore(Plain(), Plain(), page_size=64, center=center)
-    for start, stop in ((0, 40), (40, 41), (41, 90)):  # prefill, decode, chunk
+    s = KVStore(Plain(), Plain(), page_size=64, center=center, first=8)
+    for start, stop in ((0, cut), (cut, cut + 1), (cut + 1, 90)):
         s.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])
         queries = mx.random.normal((batch, 2 * groups, stop - start, 64))
         mask = "causal" if stop - start > 1 else None
         out = attend(s, queries, mask)
         ref = float_attention(queries, keys[:, :, :stop], values[:, :, :stop], mask)
         assert relative_error(out, ref) < 1e-5
+        assert s.transform.fixed == (stop >= 8)
     assert (s.transform.value_mean is not None) == (center == "kv")
 
 
@@ -290,20 +317,35 @@ def test_centering_cuts_the_error_of_offset_keys():
     exact = float_attention(queries, keys, values)
     errors = {}
     for center in ("", "k", "kv"):
-        s = KVStore(Affine(4, 64), center=center)
+        s = KVStore(Affine(4, 64), center=center, first=4)
         s.update_and_fetch(keys, values)
         errors[center] = ((attend(s, queries, None) - exact) ** 2).sum().item()
     assert errors["kv"] < errors["k"] < errors[""]
 
 
-def test_mean_of_the_first_write_then_frozen():
+@pytest.mark.parametrize("cuts", [(30,), (5, 30), (1, 2, 3, 30)])
+def test_mean_of_the_first_tokens_then_frozen(cuts):
     keys, values = random_kv(2, 2, 40, 64, seed=2, offset=4)
-    s = KVStore(Affine(4, 64), center="kv")
-    s.update_and_fetch(keys[:, :, :30], values[:, :, :30])
-    # the first token is left out
+    s = KVStore(Affine(4, 64), center="kv", first=8)
+    start = 0
+    for stop in cuts:
+        s.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])
+        if stop < 8:
+            # no transform before the first tokens are complete: the pages
+            # hold them as they came (attention reads the first span)
+            assert not s.transform.fixed and s._pending is None
+            pages = s.keys_and_values()[0]
+            want = s.key_codec.encode(keys[:, :, :stop])
+            assert all(mx.array_equal(x, y) for x, y in zip(pages, want))
+            attend(s, mx.random.normal((2, 4, stop - start, 64)), "causal")
+        start, last = stop, stop - start
+    # the write that completes them waits for its attention call
+    assert s._pending is not None and s.transform.key_mean is None
+    attend(s, mx.random.normal((2, 4, last, 64)), "causal")
+    # the means of the first tokens but the first (often a sink)
     t = s.transform
-    assert mx.allclose(t.key_mean, keys[:, :, 1:30].mean(axis=2, keepdims=True))
-    assert mx.allclose(t.value_mean, values[:, :, 1:30].mean(2, keepdims=True))
+    assert mx.allclose(t.key_mean, keys[:, :, 1:8].mean(axis=2, keepdims=True))
+    assert mx.allclose(t.value_mean, values[:, :, 1:8].mean(2, keepdims=True))
     assert t.key_mean.shape == (2, 2, 1, 64) and t.key_mean.dtype == mx.float32
     frozen = mx.array(t.key_mean)
     s.update_and_fetch(keys[:, :, 30:] + 100, values[:, :, 30:])
@@ -330,11 +372,11 @@ def test_sinks_with_centered_keys():
     queries = mx.random.normal((1, 6, 9, 64))
     sinks = mx.random.normal((6,)) * 3
     mask = mx.ones((9, 100), mx.bool_)
-    s = KVStore(Plain(), Plain(), center="k")
+    s = KVStore(Plain(), Plain(), center="k", first=4)
     s.update_and_fetch(keys, values)
     ref = float_attention(queries, keys, values, mask, sinks)
     assert relative_error(attend(s, queries, mask, sinks), ref) < 1e-5
-    s = KVStore(Plain(), Plain(), center="kv")
+    s = KVStore(Plain(), Plain(), center="kv", first=4)
     s.update_and_fetch(keys, values)
     with pytest.raises(ValueError, match="sinks"):
         attend(s, queries, mask, sinks)
@@ -354,7 +396,7 @@ def test_model_logits_unchanged_through_chunks(model):
 
     ref = run([KVCache() for _ in range(2)])
     for center in ("k", "kv"):
-        caches = [KVStore(Plain(), Plain(), center=center) for _ in range(2)]
+        caches = [KVStore(Plain(), Plain(), center=center, first=8) for _ in range(2)]
         assert relative_error(run(caches), ref) < 1e-5
 
 
