@@ -25,7 +25,7 @@ from tiny_llama import CONFIG, make_model
 from omlx_cache.kv import Affine, BatchKVStore, Codebook, KVStore, Plain
 from omlx_cache.kv.rotation import rotate
 from omlx_cache.kv.spec import KVSpec
-from omlx_cache.kv.transform import first_write_mean
+from omlx_cache.kv.transform import first_write_mean, query_key_weights
 
 PAGE = 64
 CODECS = {
@@ -414,26 +414,65 @@ def skewed(length, seed, batch=1):
     return keys, values, queries
 
 
+def first_weights(keys, queries, n, mode, center):
+    """The key weights of a sequence's first ``n`` tokens (1 to n - 1, the
+    first left out): its queries' mean squares there, over the query heads
+    of each KV head, and (``qk``) the centered keys' energies."""
+    B, n_kv = keys.shape[:2]
+    energy = mx.square(queries[:, :, 1:n]).mean(axis=2, keepdims=True)
+    energy = energy.reshape(B, n_kv, -1, 1, keys.shape[-1]).mean(axis=2)
+    first = keys[:, :, :n]
+    if center:
+        first = first - first[:, :, 1:].mean(axis=2, keepdims=True)
+    return query_key_weights(first, energy, mode, stop=n)
+
+
 @pytest.mark.parametrize("mode", ["qk", "q"])
-@pytest.mark.parametrize("center,n,recent", [("", 0, 0), ("k", 4, 0), ("kv", 16, 16)])
-def test_key_weights_are_set_by_the_first_writes_queries(mode, center, n, recent):
+@pytest.mark.parametrize("center,n,recent", [("", 2, 0), ("k", 4, 0), ("kv", 16, 16)])
+def test_key_weights_are_set_by_the_first_tokens_queries(mode, center, n, recent):
     keys, values, queries = skewed(60, seed=9)
     s = KVStore(3, 4, center=center, first=n, recent=recent, key_scale=mode)
     s.update_and_fetch(keys[..., :50, :], values[..., :50, :])
-    # the first write waits for the queries that set the weights
+    # the write that completes the first tokens waits for their queries
     assert s._pending is not None and not s.empty() and s.offset == 50
     assert s.transform.key_weights is None and not s.key_pages
     out = attend(s, queries[:, :, :50], "causal")
     weights = s.transform.key_weights
     assert weights.shape == (1, 2, 1, 64) and s._pending is None
+    # the queries at positions 1 to n - 1 set them
+    want = first_weights(keys, queries, n, mode, center)
+    assert mx.allclose(weights, want, rtol=1e-5, atol=1e-6)
     # the first channels weigh more: large queries, small keys
     assert (weights[..., :8].mean() > 2 * weights[..., -8:].mean()).item()
     assert relative_error(out, reference(s, queries[:, :, :50], "causal")) < 1e-4
     s.update_and_fetch(keys[..., 50:, :], values[..., 50:, :])
     out = attend(s, queries[:, :, 50:], "causal")
     assert relative_error(out, reference(s, queries[:, :, 50:], "causal")) < 1e-4
-    if n:
-        assert mx.allclose(stored(s)[0][..., :n, :], keys[..., :n, :], atol=1e-4)
+    assert mx.array_equal(s.transform.key_weights, weights)
+    assert mx.allclose(stored(s)[0][..., :n, :], keys[..., :n, :], atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["qk", "q"])
+@pytest.mark.parametrize("cuts", [(1, 2, 3, 4, 5, 20), (3, 5, 20), (6, 20), (20,)])
+def test_key_weights_take_the_queries_of_every_call_at_the_first_positions(mode, cuts):
+    """Prefilled in chunks, token by token or in one: each attention call
+    adds its queries at positions 1 to first - 1; the call after the write
+    that completes the first tokens fixes the weights. The same weights,
+    whatever the chunks (float sums: to rounding)."""
+    keys, values, queries = skewed(20, seed=4)
+    s = KVStore(Affine(4, 64, "hadamard"), center="k", key_scale=mode, first=6)
+    start = 0
+    for stop in cuts:
+        mask = s.make_mask(stop - start)
+        s.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])
+        assert s.transform.fixed == (start >= 6)
+        out = attend(s, queries[:, :, start:stop], mask)
+        assert s.transform.fixed == (stop >= 6)
+        want = reference(s, queries[:, :, start:stop], mask)
+        assert relative_error(out, want) < 1e-4
+        start = stop
+    want = first_weights(keys, queries, 6, mode, "k")
+    assert mx.allclose(s.transform.key_weights, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["qk", "q"])
@@ -442,7 +481,7 @@ def test_key_weights_lower_the_score_error(mode, codec):
     keys, values, queries = skewed(200, seed=3)
     errors = []
     for scale in ("", mode):
-        s = KVStore(codec, center="k", key_scale=scale)
+        s = KVStore(codec, center="k", key_scale=scale, first=16)
         s.update_and_fetch(keys, values)
         attend(s, queries, "causal")
         # query heads 0 and 2 read kv heads 0 and 1
@@ -453,35 +492,56 @@ def test_key_weights_lower_the_score_error(mode, codec):
 
 
 @pytest.mark.parametrize("read", ["state", "trim", "write", "pages"])
-def test_a_read_before_attention_writes_with_weights_of_ones(read):
-    keys, values, _ = skewed(30, seed=5)
-    plain = KVStore(Affine(4, 64), center="k")
-    plain.update_and_fetch(keys, values)
-    s = KVStore(Affine(4, 64), center="k", key_scale="q")
-    s.update_and_fetch(keys, values)
+@pytest.mark.parametrize("seen", [0, 4])
+def test_a_read_before_attention_fixes_the_weights_with_the_queries_seen(read, seen):
+    """A read (state, trim, a write, the pages) between the write that
+    completes the first tokens and its attention call fixes the transform
+    with the queries seen so far: weights of ones when none were seen (the
+    pages then as a store without weights has them), else theirs."""
+    keys, values, queries = skewed(30, seed=5)
+    plain = KVStore(Affine(4, 64), center="k", first=8)
+    s = KVStore(Affine(4, 64), center="k", key_scale="q", first=8)
+    for c in (plain, s):
+        if seen:
+            c.update_and_fetch(keys[:, :, :seen], values[:, :, :seen])
+            attend(c, queries[:, :, :seen], "causal")
+        c.update_and_fetch(keys[:, :, seen:], values[:, :, seen:])
+    assert s._pending is not None and s.transform.key_weights is None
     if read == "state":
         assert s.state[-6] == 30  # offset
     elif read == "trim":
         assert s.trim(0) == 0
     elif read == "write":
+        # (written in turn at the next attention call or read)
         s.update_and_fetch(keys[:, :, :1], values[:, :, :1])
+        assert s._pending[2] == 30
     else:
         s.keys_and_values()
-    assert (s.transform.key_weights == 1).all().item() and s._pending is None
-    assert mx.array_equal(
-        s.key_pages[0][0][:, :, :30], plain.key_pages[0][0][:, :, :30]
-    )
+    assert s.transform.fixed and (s._pending is None or read == "write")
+    weights = s.transform.key_weights
+    if not seen:
+        assert (weights == 1).all().item()
+        pages, want = s.keys_and_values()[0], plain.keys_and_values()[0]
+        assert all(mx.array_equal(x[:, :, :30], y) for x, y in zip(pages, want))
+    else:
+        # the queries at positions 1 to 3: the first call's
+        want = first_weights(keys, queries, seen, "q", "")
+        assert not (weights == 1).all().item()
+        assert mx.allclose(weights, want, rtol=1e-5, atol=1e-6)
+    # and later queries at the first positions change nothing
+    attend(s, queries[:, :, -1:], None)
+    assert mx.array_equal(s.transform.key_weights, weights)
 
 
 def test_a_batch_weighs_each_sequence_by_its_own_queries():
     # padding left out of the means and the weights
     keys, values, queries = skewed(12, seed=13, batch=2)
-    batch = BatchKVStore([3, 0], 3, center="k", key_scale=True)
+    batch = BatchKVStore([3, 0], 3, center="k", key_scale=True, first=4)
     mask = batch.make_mask(12)
     batch.update_and_fetch(keys, values)
     out = attend(batch, queries, mask)
     for i, pad in enumerate((3, 0)):
-        single = KVStore(3, center="k", key_scale=True)
+        single = KVStore(3, center="k", key_scale=True, first=4)
         single.update_and_fetch(keys[i : i + 1, :, pad:], values[i : i + 1, :, pad:])
         want = attend(single, queries[i : i + 1, :, pad:], "causal")
         t, ts = batch.transform, single.transform
@@ -495,7 +555,7 @@ def test_a_batch_weighs_each_sequence_by_its_own_queries():
 def test_weighted_8_bit_stores_attend_as_float(mode, window):
     # a window never full here: the same as a store of every token
     keys, values, queries = skewed(60, seed=1)
-    s = KVStore(Affine(8), center="k", key_scale=mode, window=window)
+    s = KVStore(Affine(8), center="k", key_scale=mode, first=8, window=window)
     outs, start = [], 0
     for stop in (40, 41, 60):  # prefill, decode, chunk
         mask = s.make_mask(stop - start)
@@ -515,7 +575,9 @@ def test_generation_through_weighted_8_bit_stores(model):
         return [int(t) for t, _ in steps]
 
     ref = tokens([KVCache() for _ in model.layers])
-    weighted = [KVStore(Affine(8), center="k", key_scale="qk") for _ in model.layers]
+    weighted = [
+        KVStore(Affine(8), center="k", key_scale="qk", first=8) for _ in model.layers
+    ]
     assert tokens(weighted) == ref
     assert all(c.transform.key_weights is not None for c in weighted)
 
@@ -617,7 +679,8 @@ def test_lossless_stores_attend_as_the_models_own_caches():
     tokens = mx.random.randint(0, 128, (1, 50), key=mx.random.key(4))
     ref = run_gemma(model, tokens, make_prompt_cache(model))
     for center in ("", "kv"):
-        caches = KVSpec.parse(f"bits=16 center={center or 'none'}").make_cache(model)
+        scheme = f"bits=16 center={center or 'none'} first=4"
+        caches = KVSpec.parse(scheme).make_cache(model)
         assert [c.window for c in caches] == [16, 16, None]
         assert relative_error(run_gemma(model, tokens, caches), ref) < 1e-5
 
@@ -641,7 +704,7 @@ KINDS = {
     "codebook": lambda: store(),
     "affine-first-center": lambda: store("affine-8,4", first=4, center="kv"),
     "residual": lambda: store("affine-4-rotated", recent=16),
-    "weighted": lambda: store("codebook-4k-3v-n8", center="k", key_scale="q"),
+    "weighted": lambda: store("codebook-4k-3v-n8", center="k", key_scale="q", first=4),
     "window": lambda: KVStore(Codebook(4), window=40, keep=4, page_size=16),
     "plain-values": lambda: store("codebook-3k-plain-v", first=16),
 }
@@ -682,12 +745,29 @@ def test_state_round_trip(kind):
 
 
 def test_state_of_an_empty_store_and_of_a_pending_write():
-    empty = KVStore.from_state(store(center="k", key_scale="qk").state)
+    empty = KVStore.from_state(store(center="k", key_scale="qk", first=4).state)
     assert empty.empty() and empty.transform.key_weights is None
-    # a first write waiting for its queries is written with weights of ones
+    # a write completing the first tokens, waiting for its queries, is written
+    # with weights of ones (no queries seen)
     pending = written("weighted", 30, attended=False)
     loaded = KVStore.from_state(pending.state)
     assert (loaded.transform.key_weights == 1).all().item() and loaded.offset == 30
+    # a store short of its first tokens: no transform yet, in the state too
+    short = store("codebook-4k-3v-n8", center="k", key_scale="q", first=8)
+    keys, values, queries = skewed(5, seed=3)
+    short.update_and_fetch(keys, values)
+    attend(short, queries, "causal")
+    loaded = KVStore.from_state(short.state)
+    assert not loaded.transform.fixed and loaded.transform.arrays() == (None,) * 3
+    same_storage(loaded, short)
+    assert mx.array_equal(loaded.spans.first_keys, short.spans.first_keys)
+    # (the queries seen are not in a state: the loaded store fixes the
+    # transform with the queries it sees)
+    more = skewed(10, seed=4)
+    for c in (short, loaded):
+        c.update_and_fetch(*more[:2])
+        attend(c, more[2], "causal")
+    assert loaded.transform.fixed and short.transform.fixed
 
 
 ROWS = slice(9, 14)  # offset, rows written (held included), in the pages, dropped, held
@@ -883,17 +963,19 @@ def test_merge_and_extract_round_trip(settings):
         assert type(single) is KVStore and single.offset == stores[i].offset
         assert single.settings == stores[i].settings
         same_storage(single, stores[i])
-        for x, y in (
-            (single.spans, stores[i].spans),
-            (single.transform, stores[i].transform),
+        for a, b in zip(
+            (single.spans.first_keys, single.spans.first_values),
+            (stores[i].spans.first_keys, stores[i].spans.first_values),
         ):
-            for a, b in zip(
-                (x.first_keys, x.first_values) if x is single.spans else x.arrays(),
-                (y.first_keys, y.first_values) if y is stores[i].spans else y.arrays(),
-            ):
-                assert (a is None) == (b is None) and (
-                    a is None or mx.array_equal(a, b)
-                )
+            assert (a is None) == (b is None) and (a is None or mx.array_equal(a, b))
+        # a store short of its first tokens has no transform yet: joined to
+        # fixed ones, it gets none for good (zero means)
+        for a, b in zip(single.transform.arrays(), stores[i].transform.arrays()):
+            if b is None and a is not None:
+                assert stores[i].offset < settings.get("first", 0) and not a.any()
+            else:
+                assert (a is None) == (b is None)
+                assert a is None or mx.array_equal(a, b)
     out, alone = batch_step(batch, stores, 1)
     for i, want in enumerate(alone):
         assert relative_error(out[i : i + 1], want) < 1e-4
@@ -988,13 +1070,20 @@ def test_a_batch_tracks_mlx_lms_batch_cache(n):
         assert a[1].extract(2).spans.first_keys.shape[2] == n
 
 
-def test_right_padding_is_left_out_of_the_mean():
-    keys, values = random_kv(2, 2, 12, 64, seed=9, offset=4)
-    batch = BatchKVStore([0, 0], 4, center="k")
+def test_right_padding_is_left_out_of_the_transform():
+    # first=8: the second prompt has 5 tokens, then right padding
+    keys, values, queries = skewed(12, seed=9, batch=2)
+    batch = BatchKVStore([0, 0], 4, center="k", key_scale="q", first=8)
     batch.prepare(lengths=[12, 5], right_padding=[0, 7])
+    mask = batch.make_mask(12)
     batch.update_and_fetch(keys, values)
-    expected = keys[1, :, 1:5].mean(axis=1, keepdims=True)
-    assert mx.allclose(batch.transform.key_mean[1], expected, atol=1e-5)
+    attend(batch, queries, mask)
+    t = batch.transform
+    for i, n in enumerate((8, 5)):
+        expected = keys[i, :, 1:n].mean(axis=1, keepdims=True)
+        assert mx.allclose(t.key_mean[i], expected, atol=1e-5)
+        weights = first_weights(keys[i : i + 1], queries[i : i + 1], n, "q", "k")
+        assert mx.allclose(t.key_weights[i], weights[0], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize(
