@@ -983,6 +983,39 @@ def test_merge_and_extract_round_trip(settings):
         KVStore.merge([stores[0], KVStore(4, 4, page_size=PAGE, **settings)])
 
 
+def test_a_batch_keeps_a_residuals_held_tokens():
+    """Merged, a residual's held tokens stay held (rows one store holds and
+    another has in its pages: decoded, as attention reads them); the batch
+    attends as its stores alone, and extends and extracts as they are."""
+    q4 = (Affine(4, 64, "hadamard"), Affine(3, 32, "hadamard"))
+    settings = {"center": "k", "key_scale": "qk", "first": 8, "recent": 16}
+    stores = singles([5, 0, 37, 70], codecs=q4, **settings)
+    for s in stores:
+        s.keys_and_values()  # a read: the pending writes written
+    assert [(s._written, s.spans.n_held) for s in stores] == [
+        (0, 5),
+        (0, 0),
+        (16, 21),
+        (48, 22),
+    ]
+    batch = KVStore.merge(stores)
+    assert (batch._written, batch.spans.n_held, batch.size()) == (48, 22, 70)
+    single = batch.extract(3)
+    same_storage(single, stores[3])
+    assert single.spans.n_held == 22
+    assert mx.array_equal(single.spans.held_keys, stores[3].spans.held_keys)
+    for seed in range(3):
+        out, alone = batch_step(batch, stores, seed)
+        for i, want in enumerate(alone):
+            assert relative_error(out[i : i + 1], want) < 1e-4
+    others = singles([12], codecs=q4, seed=1, **settings)
+    batch.extend(KVStore.merge(others))
+    assert batch.spans.n_held == batch.size() - batch._written
+    out, alone = batch_step(batch, [*stores, *others], 9)
+    for i, want in enumerate(alone):
+        assert relative_error(out[i : i + 1], want) < 1e-4
+
+
 def test_a_debiased_batch_attends_as_its_stores_alone():
     stores = singles([5, 37, 70], codecs=(Codebook(3, debias=True), 4))
     batch = KVStore.merge(stores)

@@ -978,8 +978,10 @@ def _combine(batch, stores):
             for part in zip(*parts)
         )
     if idx > written:
-        template = next(h for h in held if h is not None)
-        keys, values = zip(*(_filled_held(h, template, n) for h, n in zip(held, sizes)))
+        like = next(h for h in held if h is not None)
+        keys, values = zip(
+            *(_filled_held(h, like, n, idx - written) for h, n in zip(held, sizes))
+        )
         batch.spans.held_keys = mx.concatenate(keys)
         batch.spans.held_values = mx.concatenate(values)
         batch.spans.n_held = idx - written
@@ -1014,12 +1016,14 @@ def _filled(rows, like, n, size):
     return out
 
 
-def _filled_held(held, like, n):
-    """Held keys and values of ``like``'s rows for ``n`` sequences: ``held``
-    right-justified (zeros before a sequence's first token), or zeros."""
-    count = like[0].shape[2]
+def _filled_held(held, like, n, count):
+    """``count`` held rows of keys and values (shaped and typed as ``like``'s)
+    for ``n`` sequences: ``held`` right-justified (zeros before a sequence's
+    first token), or zeros."""
     if held is None:
-        return tuple(mx.zeros((n, *x.shape[1:]), x.dtype) for x in like)
+        return tuple(
+            mx.zeros((n, x.shape[1], count, x.shape[3]), x.dtype) for x in like
+        )
     pad = [(0, 0), (0, 0), (count - held[0].shape[2], 0), (0, 0)]
     return tuple(mx.pad(x, pad) for x in held)
 
