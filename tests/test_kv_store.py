@@ -25,7 +25,7 @@ from tiny_llama import CONFIG, make_model
 from omlx_cache.kv import Affine, BatchKVStore, Codebook, KVStore, Plain
 from omlx_cache.kv.rotation import rotate
 from omlx_cache.kv.spec import KVSpec
-from omlx_cache.kv.transform import first_write_mean, query_key_weights
+from omlx_cache.kv.transform import Transform, first_write_mean, query_key_weights
 
 PAGE = 64
 CODECS = {
@@ -1153,6 +1153,59 @@ def test_a_batch_of_unequal_padding_fixes_its_transform_before_a_later_row(setti
         assert not t.key_mean[1].any() and t.key_mean[0].any()
     if t.key_scale:
         assert mx.allclose(t.key_weights[1], mx.ones_like(t.key_weights[1]))
+
+
+def test_joined_transforms_give_the_unfixed_no_transform():
+    """Sequences laid end to end: a part whose transform is not fixed yet
+    gets zero means and unit weights when another part's is fixed (no
+    transform, for good); unfixed when none is."""
+    fixed = Transform("kv", "qk", *(mx.full((2, 2, 1, 8), 3.0) for _ in range(3)))
+    joined = Transform.joined([Transform("kv", "qk"), fixed], [1, 2])
+    assert joined.fixed and joined.key_mean.shape == (3, 2, 1, 8)
+    assert not joined.key_mean[0].any() and not joined.value_mean[0].any()
+    assert (joined.key_weights[0] == 1).all().item()
+    assert (joined.key_weights[1:] == 3).all().item()
+    unfixed = Transform.joined([Transform("k", "q"), Transform("k", "q")], [1, 1])
+    assert not unfixed.fixed and unfixed.arrays() == (None,) * 3
+    with pytest.raises(ValueError, match="different transforms"):
+        Transform.joined([Transform("k"), Transform("kv")], [1, 1])
+
+
+@pytest.mark.parametrize("center", ["k", "kv"])
+def test_merged_stores_short_of_their_first_tokens_fix_it_together(center):
+    """Stores of 3 and 5 tokens (first=8: no transform yet) merged, then
+    decode tokens: the batch fixes its transform with the write that puts
+    the first row after a sequence's first tokens in the pages (each
+    sequence's from the first tokens it has then); lossless codecs attend
+    as float32 attention over the keys and values as they came."""
+    keys, values = random_kv(2, 2, 20, 64, seed=3, offset=4)
+    lengths = (3, 5)
+    stores = []
+    for i, n in enumerate(lengths):
+        s = KVStore(Plain(), Plain(), center=center, first=8)
+        s.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+        stores.append(s)
+    batch = KVStore.merge(stores)
+    assert not batch.transform.fixed and batch.left_padding.tolist() == [2, 0]
+    for t in range(5, 15):
+        step = [
+            mx.concatenate([x[:1, :, t - 2 : t - 1], x[1:, :, t : t + 1]])
+            for x in (keys, values)
+        ]
+        queries = mx.random.normal((2, 4, 1, 64))
+        mask = batch.make_mask(1)
+        batch.update_and_fetch(*step)
+        out = attend(batch, queries, mask)
+        # the second sequence's 9th token (row 8) is the first after its first
+        assert batch.transform.fixed == (t >= 8), t
+        for i, n in enumerate((t - 1, t + 1)):
+            want = float_attention(
+                queries[i : i + 1], keys[i : i + 1, :, :n], values[i : i + 1, :, :n]
+            )
+            assert relative_error(out[i : i + 1], want) < 1e-5, (t, i)
+    # the first sequence's mean: of the 7 tokens it had (1 to 6)
+    mean = keys[:1, :, 1:7].mean(axis=2, keepdims=True)
+    assert mx.allclose(batch.transform.key_mean[:1], mean, atol=1e-5)
 
 
 def test_left_padding_is_added_to_an_empty_batch_only():
