@@ -774,8 +774,9 @@ def test_cuda_encode_and_dequantize_kernels(bits, dim, rotation):
 CUDA_CASES = [
     # key codec, value codec, (q heads, kv heads), head dim, tokens, page, settings
     (Codebook(3), Codebook(3), (32, 8), 128, 4097, 4096, {}),
-    (Codebook(4), Codebook(3), (9, 3), 64, 777, 256, {"center": "k"}),
-    (Codebook(5), Codebook(4), (16, 4), 256, 2500, 1024, {"center": "kv"}),
+    # (a transform needs first tokens: 2, the fewest)
+    (Codebook(4), Codebook(3), (9, 3), 64, 777, 256, {"center": "k", "first": 2}),
+    (Codebook(5), Codebook(4), (16, 4), 256, 2500, 1024, {"center": "kv", "first": 2}),
     (Codebook(3), Codebook(3), (32, 8), 128, 2100, 1000, {}),
     (Codebook(4), Codebook(3), (9, 3), 64, 777, 256, {"first": 5, "key_scale": "q"}),
     (Codebook(3), Codebook(3), (8, 2), 64, 4200, 128, {"first": 4}),
@@ -822,7 +823,8 @@ def test_cuda_batched_decode_with_left_padding(codecs, first):
     """Each left-padded sequence keeps its first tokens after its padding:
     the decode kernels read each sequence's own, as the ops loop does."""
     padding = [0, 100, 777]
-    s = BatchKVStore(padding, *codecs, center="kv", first=first)
+    # (centered where first tokens are kept: a transform needs them)
+    s = BatchKVStore(padding, *codecs, center="kv" if first else "", first=first)
     k = mx.random.normal((3, 8, 1500, 128)).astype(mx.float16)
     s.update_and_fetch(k, k * 0.5)
     token = mx.random.normal((3, 8, 1, 128)).astype(mx.float16)
