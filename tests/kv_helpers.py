@@ -53,8 +53,11 @@ def stored(store):
     """What a store's attention reads, in float32, as the model gave it: the
     pages decoded (rows ``dropped`` on), each sequence's first tokens as the
     first span keeps them, the recent or held tokens as held, rotated back,
-    keys unweighted and uncentered, values uncentered. A pending first write
-    is written (weights of ones) and an incoming held token landed."""
+    keys unweighted and uncentered, values uncentered. A pending write (the
+    one that completes the first tokens) is written, the transform fixed
+    with the queries seen so far, and an incoming held token landed. (Page
+    rows of the first tokens, written before the transform was fixed, are
+    read from the first span, as attention reads them.)"""
     kc, vc = store.key_codec, store.value_codec
     spans = store.spans
     store._flush_pending()

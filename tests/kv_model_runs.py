@@ -2,21 +2,24 @@
 
 - ``record_prefill``: one prefill through the model's own caches, recording
   each layer's keys, values and queries (for replaying into stores).
-- ``chunk_runs``: a prompt prefilled in one chunk, in several and token by
-  token through a scheme's stores, then greedy tokens: per scheme, how far
-  each run's last logits are from one chunk's and from the model's own
-  caches', and the greedy tokens. Run as a script, it prints them as JSON:
+- ``chunk_runs``: a prompt prefilled through a scheme's stores in one chunk
+  and in the other ways of ``ways`` (split where the first tokens end, a
+  prefix continued by the last token; token by token, split inside the
+  first tokens), then greedy tokens: per scheme and way, the greedy tokens
+  and how far the logits are from one chunk's (after the prompt and at each
+  greedy step) and from the model's own caches'. Run as a script, it prints
+  them as JSON:
 
       python tests/kv_model_runs.py MODEL_DIR SCHEME... > runs.json
 
-  (the tests run it in a process of its own, with Debian's OpenBLAS
-  preloaded where it is installed: MLX's bundled reference BLAS makes a
-  SmolLM2 prefill ten times slower).
+  (the tests run it in a process of its own without LD_PRELOAD: MLX's
+  bundled reference BLAS computes each row of a product alike whatever the
+  rows with it, so the ways that should give equal logits give equal ones;
+  Debian's OpenBLAS, 2-3x faster, rounds a few rows differently).
 """
 
 import json
 import sys
-from pathlib import Path
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
@@ -26,10 +29,11 @@ PROMPT = (
     "is the capital of Italy. Madrid is the capital of Spain. Lisbon is the "
     "capital of"
 )
-# the several chunks' ends (the last: the prompt's end)
-CUTS = (13, 30)
+# where a scheme without first tokens is split; a split inside the first
+# tokens (besides one just before their end)
+AFTER = 20
+INSIDE = 3
 GREEDY = 2
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 
 
 class Recording(KVCache):
@@ -69,6 +73,21 @@ def spec_of(text, layers=(0, 1)):
     return spec.with_layers(layers) if spec.fit is not None else spec
 
 
+def ways(first, T):
+    """How to prefill ``T`` tokens (each way: its chunks' ends) through a
+    scheme of ``first`` first tokens: the ``equal`` ways (one chunk; split
+    where the first tokens end, or at ``AFTER`` without any; the prompt but
+    its last token, then that token) and the ``near`` ones (token by token;
+    split inside the first tokens, and just before their end)."""
+    equal = {"one": [T], "split": [first or AFTER, T], "prefix": [T - 1, T]}
+    near = {"tokens": list(range(1, T + 1))}
+    if first > INSIDE + 1:
+        near["inside"] = [INSIDE, T]
+    if first > 1:
+        near["before_first"] = [first - 1, T]
+    return equal, near
+
+
 def _logits(model, hidden):
     """The last position's logits (the model's head on one row only)."""
     last = hidden[:, -1:]
@@ -78,18 +97,21 @@ def _logits(model, hidden):
 
 
 def _run(model, spec, tokens, cuts):
+    """The last logits after each of ``cuts`` and then of each greedy step
+    (a list), and the greedy tokens."""
     caches = spec.make_cache(model)
     start, hidden = 0, None
     for stop in cuts:
         hidden = model.model(tokens[:, start:stop], cache=caches)
         start = stop
-    logits = first = _logits(model, hidden)
+    logits = [_logits(model, hidden)]
     greedy = []
     for _ in range(GREEDY):
-        token = logits.argmax(axis=-1)
+        token = logits[-1].argmax(axis=-1)
         greedy.append(token.item())
-        logits = _logits(model, model.model(token[None], cache=caches))
-    return first, greedy
+        logits.append(_logits(model, model.model(token[None], cache=caches)))
+    mx.eval(logits)
+    return logits, greedy
 
 
 def _relative(a, b):
@@ -104,17 +126,19 @@ def _kl(p_logits, q_logits):
 
 
 def chunk_runs(model_dir, schemes, prompt=PROMPT):
-    """Per scheme and way of prefilling ("one", "chunks", "tokens"): the
-    greedy tokens, the last logits' relative L2 distance from one chunk's
-    and from fp16's, and KL(fp16 || run)."""
+    """Per scheme: its first tokens and, per way of prefilling (``ways``):
+    the greedy tokens; the largest absolute difference from one chunk's
+    logits after the prompt (``max_abs``) and at the greedy steps
+    (``decode_max_abs``: None where the greedy tokens differ); the relative
+    L2 distance of the logits after the prompt from one chunk's and from
+    the model's own caches'; and KL(fp16 || way)."""
     from mlx_lm import load
 
     model, tokenizer = load(str(model_dir))
     ids = tokenizer.encode(prompt)
     tokens = mx.array([ids])
     T = len(ids)
-    ways = {"one": [T], "chunks": [*CUTS, T], "tokens": list(range(1, T + 1))}
-    fp16, fp16_greedy = _run(model, spec_of("fp16"), tokens, [T])
+    (fp16, *_), fp16_greedy = _run(model, spec_of("fp16"), tokens, [T])
     top2 = mx.sort(fp16[0])[-2:]
     out = {
         "tokens": T,
@@ -122,17 +146,28 @@ def chunk_runs(model_dir, schemes, prompt=PROMPT):
     }
     for text in schemes:
         spec = spec_of(text)
-        runs = {way: _run(model, spec, tokens, cuts) for way, cuts in ways.items()}
-        one = runs["one"][0]
-        out[text] = {
-            way: {
+        equal, near = ways(spec.first_tokens, T)
+        runs = {
+            way: _run(model, spec, tokens, cuts)
+            for way, cuts in {**equal, **near}.items()
+        }
+        (one, *one_steps), one_greedy = runs["one"]
+        result = {"first": spec.first_tokens, "equal": list(equal), "near": list(near)}
+        for way, ((logits, *steps), greedy) in runs.items():
+            decode = None
+            if greedy == one_greedy:
+                decode = max(
+                    mx.abs(a - b).max().item() for a, b in zip(steps, one_steps)
+                )
+            result[way] = {
                 "greedy": greedy,
+                "max_abs": mx.abs(logits - one).max().item(),
+                "decode_max_abs": decode,
                 "vs_one": _relative(logits, one),
                 "vs_fp16": _relative(logits, fp16),
                 "kl": _kl(fp16, logits),
             }
-            for way, (logits, greedy) in runs.items()
-        }
+        out[text] = result
     return out
 
 

@@ -242,8 +242,8 @@ def test_queries_that_see_no_key_give_zeros():
 def first_tokens(call, count, first=0, seed=1):
     """Unquantized first tokens for the call (rotated domain) and the same
     rotated back, for the reference."""
-    B, n_kv = call.key_pages[0][0].shape[:2]
-    D = call.queries.shape[-1]
+    B, D = call.queries.shape[0], call.queries.shape[-1]
+    n_kv = (call.key_pages[0][0] if call.key_pages else call.recent.keys).shape[1]
     mx.random.seed(seed)
     keys = mx.random.normal((B, n_kv, count, D)) * 3
     values = mx.random.normal((B, n_kv, count, D))
@@ -279,6 +279,40 @@ def test_each_sequences_first_tokens_after_its_padding(L):
         k[i, :, p : p + 8], v[i, :, p : p + 8] = fk[i], fv[i]
     ref = float_attention(call.queries, k, v, mask)
     assert relative_error(ops_attention(call), ref) < 1e-4
+
+
+@pytest.mark.parametrize("L", [1, 12])
+@pytest.mark.parametrize("length", [32, 0])
+def test_each_sequences_first_tokens_past_the_pages_are_the_recent_ones(L, length):
+    """(B,) rows: first tokens the pages do not hold yet (a residual holds
+    them: rows from ``length`` on) are read from the recent tokens, as a
+    single sequence's are (and the affine decode kernel's ``first_as_held``):
+    the first span's copies of those rows are not read, nor hidden."""
+    padding = mx.array([0, 30]) if length else mx.array([0, 3])
+    B, n = 2, 10
+    total = length + n
+    visible = mx.arange(total)[None] >= padding[:, None]
+    mask = visible[:, None, None, :] & causal(L, total)
+    codec = CODECS["affine-4-rotated"]
+    if length:
+        call, k, v = make_call(codec, B=B, n_q=4, L=L, length=length)
+    else:  # a residual not yet full: no page at all
+        queries = mx.random.normal((B, 4, L, 64), key=mx.random.key(3))
+        call = Call(queries, 0.125, None, None, *codec, [], [], 0)
+        k = v = mx.zeros((B, 2, 0, 64))
+    call.mask = mask
+    held = mx.random.normal((2, B, 2, n, 64), key=mx.random.key(4))
+    call.recent = Recent(*(rotate(x, "hadamard") for x in held), n)
+    call.first, (fk, fv) = first_tokens(call, 8, first=padding)
+    k, v = (mx.concatenate([x, h], axis=2) for x, h in zip((k, v), held))
+    for i, p in enumerate(padding.tolist()):
+        m = min(8, length - p) if length > p else 0
+        k[i, :, p : p + m], v[i, :, p : p + m] = fk[i, :, :m], fv[i, :, :m]
+    ref = float_attention(call.queries, k, v, mask, scale=call.scale)
+    out = ops_attention(call)
+    # (padding rows of the queries see no key: zeros, left out)
+    seen = mask.any(axis=-1, keepdims=True)
+    assert relative_error(mx.where(seen, out, 0), mx.where(seen, ref, 0)) < 1e-4
 
 
 def test_first_tokens_the_pages_dropped_with_their_own_mask():

@@ -167,17 +167,26 @@ def test_a_kernel_that_applies_runs_and_one_that_declines_falls_through(register
 
 
 def test_the_call_a_store_makes():
-    s = KVStore(Codebook(3), Affine(4, 64, "hadamard"), center="kv", key_scale="qk")
+    s = KVStore(
+        Codebook(3), Affine(4, 64, "hadamard"), center="kv", key_scale="qk", first=4
+    )
     keys, values = random_kv(1, 2, 30, 64, seed=3, offset=3)
     s.update_and_fetch(keys, values)
     queries = mx.random.normal((1, 4, 30, 64))
     call = call_of(s, queries, "causal")
     assert call.length == call.total == 30 and call.mask == "causal"
     assert call.key_codec == Codebook(3) and call.value_codec.bits == 4
-    assert call.key_mean is s.transform.key_mean
-    assert call.value_mean is s.transform.value_mean
-    assert call.key_weights is s.transform.key_weights
-    assert call.first is None and call.recent is None and call.sinks is None
+    # the transform, fixed by this call's queries at positions 1 to 3
+    assert call.key_mean is s.transform.key_mean is not None
+    assert call.value_mean is s.transform.value_mean is not None
+    assert call.key_weights is s.transform.key_weights is not None
+    assert call.recent is None and call.sinks is None
+    # the first tokens, centered, weighted and rotated as the pages' rows
+    assert (call.first.first, call.first.count, call.first.mask) == (0, 4, None)
+    assert call.first.keys is s.spans.first_keys
+    t = s.transform
+    want = rotate((keys[:, :, :4] - t.key_mean) * t.key_weights, "hadamard")
+    assert mx.allclose(call.first.keys, want, atol=1e-5)
     # queries divided by the key weights, rotated as the keys are
     want = rotate(queries / mx.repeat(call.key_weights, 2, axis=1), "hadamard")
     assert mx.allclose(call.rotated_queries(), want, atol=1e-5)
@@ -196,7 +205,8 @@ def held_for_the_test(rotated):
 
 @pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize(
-    "settings", [{}, {"center": "kv"}, {"center": "k", "key_scale": "q", "first": 4}]
+    "settings",
+    [{}, {"center": "kv", "first": 8}, {"center": "k", "key_scale": "q", "first": 4}],
 )
 def test_held_decode_tokens_change_nothing_but_when_they_are_encoded(
     register, rotated, settings
@@ -764,8 +774,9 @@ def test_cuda_encode_and_dequantize_kernels(bits, dim, rotation):
 CUDA_CASES = [
     # key codec, value codec, (q heads, kv heads), head dim, tokens, page, settings
     (Codebook(3), Codebook(3), (32, 8), 128, 4097, 4096, {}),
-    (Codebook(4), Codebook(3), (9, 3), 64, 777, 256, {"center": "k"}),
-    (Codebook(5), Codebook(4), (16, 4), 256, 2500, 1024, {"center": "kv"}),
+    # (a transform needs first tokens: 2, the fewest)
+    (Codebook(4), Codebook(3), (9, 3), 64, 777, 256, {"center": "k", "first": 2}),
+    (Codebook(5), Codebook(4), (16, 4), 256, 2500, 1024, {"center": "kv", "first": 2}),
     (Codebook(3), Codebook(3), (32, 8), 128, 2100, 1000, {}),
     (Codebook(4), Codebook(3), (9, 3), 64, 777, 256, {"first": 5, "key_scale": "q"}),
     (Codebook(3), Codebook(3), (8, 2), 64, 4200, 128, {"first": 4}),
@@ -812,7 +823,8 @@ def test_cuda_batched_decode_with_left_padding(codecs, first):
     """Each left-padded sequence keeps its first tokens after its padding:
     the decode kernels read each sequence's own, as the ops loop does."""
     padding = [0, 100, 777]
-    s = BatchKVStore(padding, *codecs, center="kv", first=first)
+    # (centered where first tokens are kept: a transform needs them)
+    s = BatchKVStore(padding, *codecs, center="kv" if first else "", first=first)
     k = mx.random.normal((3, 8, 1500, 128)).astype(mx.float16)
     s.update_and_fetch(k, k * 0.5)
     token = mx.random.normal((3, 8, 1, 128)).astype(mx.float16)

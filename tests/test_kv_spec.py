@@ -68,6 +68,14 @@ def test_fp16_is_the_models_own_cache(text):
     assert spec.is_reference and spec.text == "fp16" and spec == KVSpec()
 
 
+@pytest.mark.parametrize("text", ["4", "8,4", "8,4 center=k"])
+def test_a_lone_number_is_bits(text):
+    # as --kv-bits takes them
+    spec = KVSpec.parse(text)
+    assert spec == KVSpec.parse(f"bits={text}") and str(spec) == text
+    assert spec.text == f"bits={text}" and spec.first_tokens == 16
+
+
 def test_items_the_parser_reads():
     spec = KVSpec.parse(
         "codec=codebook,affine bits=3,4 group=64,32 rotate=v center=kv qscale=q "
@@ -120,8 +128,15 @@ def test_items_the_parser_reads():
         ("bits=4 fit=4.6", r"layers= and fit= need more="),
         ("bits=4 more=k5 layers=a", r"layers='a': layer numbers"),
         ("bits=4 more=k5 fit=x", r"fit='x': a number"),
-        ("center=k", r"center=k: a quantized scheme needs bits="),
-        ("first=4 recent=8", r"a quantized scheme needs bits="),
+        ("center=k", r"center=k: a scheme needs bits= \(or a preset\)"),
+        ("first=4 recent=8", r"a scheme needs bits= \(or a preset\)"),
+        (
+            "bits=8 center=k",
+            r"center= and qscale= .* need first=2 or more, got first=0",
+        ),
+        ("codec=codebook bits=4 qscale=q", r"need first=2 or more, got first=0"),
+        ("bits=4 center=kv first=1", r"need first=2 or more, got first=1"),
+        ("cq4 first=0", r"need first=2 or more, got first=0"),
     ],
 )
 def test_a_bad_item_is_named(text, match):
@@ -163,6 +178,9 @@ def test_rotation_and_first_tokens_when_a_part_has_fewer_than_8_bits(
 def test_codebooks_rotate_and_keep_no_first_tokens_by_default():
     spec = KVSpec.parse("codec=codebook bits=3,4")
     assert spec.codecs() == (Codebook(3), Codebook(4)) and spec.first_tokens == 0
+    # a codebook part keeps none either; first= says otherwise
+    assert KVSpec.parse("codec=affine,codebook bits=4,3").first_tokens == 0
+    assert KVSpec.parse("codec=codebook bits=3 first=8").first_tokens == 8
     assert KVSpec.parse("codec=codebook bits=3 rotate=none").codecs()[0] == Codebook(
         3, "none"
     )
@@ -251,8 +269,9 @@ def test_footprint_is_what_stores_hold_after_a_real_prefill(
             page = (*c.key_pages[0], *c.value_pages[0])
             row = sum(x.nbytes for x in page) // c.key_pages[0][0].shape[2]
             assert preallocated_bytes(c) == unwritten * row
-        else:  # (q4: a residual of 72 holds the 33 tokens)
+        else:  # (q4: a residual of 72 holds the 33 tokens, the first 8 kept too)
             assert c.spans.n_held == T and c.nbytes == used_bytes(c)
+            assert c.spans.first_keys.shape[2] == spec.first_tokens == 8
     elements = T * 30 * 3 * 128
     assert footprint["bits_per_element"] == pytest.approx(
         8 * footprint["bytes"] / elements

@@ -258,11 +258,14 @@ def positions_mask(mask, positions, length, L, n_q_heads, n_kv_heads, end):
     return _fit_heads(_and_valid(mask, valid), L, mask.shape[-1], n_q_heads, n_kv_heads)
 
 
-def without_positions(mask, first, count, length, L):
+def without_positions(mask, first, count, length, L, stored=None):
     """``mask`` over ``length`` keys (made an array) hiding each sequence's keys
-    ``first`` to ``first + count`` (``first``: (B,))."""
+    ``first`` to ``first + count`` (``first``: (B,)) among the first
+    ``stored`` (default: all)."""
     k_pos = mx.arange(length)
     hidden = (k_pos >= first[:, None]) & (k_pos < first[:, None] + count)
+    if stored is not None:
+        hidden = hidden & (k_pos < stored)
     hidden = hidden[:, None, None]
     if mask is None:
         return ~hidden
@@ -371,7 +374,9 @@ def ops_attention(call: Call) -> mx.array:
             _weigh_float(values[..., :count, :]),
         )
         if not isinstance(first, int):
-            mask = without_positions(mask, first, count, end, L)
+            # the pages' copies are hidden; first tokens the pages do not
+            # hold yet are the recent ones (as for a single sequence)
+            mask = without_positions(mask, first, count, end, L, length)
     page_start = 0
     for k_page, v_page in zip(call.key_pages, call.value_pages):
         page_size = k_page[0].shape[2]

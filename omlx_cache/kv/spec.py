@@ -176,9 +176,10 @@ class KVSpec:
             return
         self.codecs()
         if (self.center or self.key_scale) and self.first_tokens < 2:
+            # what a store refuses, said when the scheme is read
             raise ValueError(
                 "center= and qscale= are measured on each sequence's first "
-                f"tokens: first= must be 2 or more, got {self.first_tokens}."
+                f"tokens: they need first=2 or more, got first={self.first_tokens}."
             )
         if self.more:
             self.more_codecs()
@@ -296,7 +297,8 @@ class KVSpec:
             return tokens * heads * sum(dims) * SCALE_BITS / 8
         codecs = self.more_codecs() if layer in self.layers else self.codecs()
         held = _mean_held(self.recent if shape.window is None else 0, tokens)
-        first = min(self.first_tokens, tokens - held)
+        # the first tokens are kept from the start, held ones too
+        first = min(self.first_tokens, tokens)
         if shape.window is not None:
             first = max(first, shape.keep)
         bits = 0.0

@@ -215,7 +215,9 @@ class KVStore:
             self.spans.keep_first(*self._prepared(k, v, True), row, self.left_padding)
 
     def _first_complete(self, rows) -> bool:
-        """Whether every sequence has its first tokens after ``rows`` rows."""
+        """Whether the transform is fixed with the write that ends at row
+        ``rows``: every sequence has its first tokens then (in a batch of
+        unequal padding, or one has more)."""
         return rows >= self._max_padding() + self.spans.first
 
     def _add_queries(self, queries):
@@ -301,6 +303,8 @@ class KVStore:
             if released is not None:
                 self._write_rows(*released, rotated=self.spans.rotated)
         elif self.spans.recent:
+            # a pending write goes first (written when no attention came)
+            self._flush_pending()
             self._keep_first(keys, values, self._idx)
             aged = self.spans.age(*self._prepared(keys, values, rotated=True))
             if aged is not None:
@@ -746,6 +750,17 @@ class BatchKVStore(KVStore):
     def _max_padding(self) -> int:
         return max(self.left_padding.tolist(), default=0)
 
+    def _first_complete(self, rows) -> bool:
+        # A sequence's rows after its first tokens are read from the pages:
+        # with unequal left padding the transform is fixed before the first
+        # of them is written, the more padded sequences' from the first
+        # tokens they have then (none: no transform).
+        padding = self.left_padding.tolist()
+        if not padding:
+            return False
+        first = self.spans.first
+        return rows >= min(max(padding) + first, min(padding) + first + 1)
+
     def left_padding_array(self):
         return self.left_padding
 
@@ -966,8 +981,10 @@ def _combine(batch, stores):
             for part in zip(*parts)
         )
     if idx > written:
-        template = next(h for h in held if h is not None)
-        keys, values = zip(*(_filled_held(h, template, n) for h, n in zip(held, sizes)))
+        like = next(h for h in held if h is not None)
+        keys, values = zip(
+            *(_filled_held(h, like, n, idx - written) for h, n in zip(held, sizes))
+        )
         batch.spans.held_keys = mx.concatenate(keys)
         batch.spans.held_values = mx.concatenate(values)
         batch.spans.n_held = idx - written
@@ -1002,12 +1019,14 @@ def _filled(rows, like, n, size):
     return out
 
 
-def _filled_held(held, like, n):
-    """Held keys and values of ``like``'s rows for ``n`` sequences: ``held``
-    right-justified (zeros before a sequence's first token), or zeros."""
-    count = like[0].shape[2]
+def _filled_held(held, like, n, count):
+    """``count`` held rows of keys and values (shaped and typed as ``like``'s)
+    for ``n`` sequences: ``held`` right-justified (zeros before a sequence's
+    first token), or zeros."""
     if held is None:
-        return tuple(mx.zeros((n, *x.shape[1:]), x.dtype) for x in like)
+        return tuple(
+            mx.zeros((n, x.shape[1], count, x.shape[3]), x.dtype) for x in like
+        )
     pad = [(0, 0), (0, 0), (count - held[0].shape[2], 0), (0, 0)]
     return tuple(mx.pad(x, pad) for x in held)
 
