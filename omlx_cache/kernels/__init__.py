@@ -63,7 +63,22 @@ def _decode_applies(call) -> bool:
 
 def _decode(call):
     held, mask = _held(call), call.mask
-    if call.first is not None:
+    first = call.first
+    if (
+        first is not None
+        and isinstance(first.first, int)
+        and first.first + first.count <= 0
+    ):
+        # the pages hold none of the first tokens: they join the held ones
+        keys, values = (
+            first.keys[:, :, : first.count],
+            first.values[:, :, : first.count],
+        )
+        if held is not None:
+            keys = mx.concatenate([keys, held[0][:, :, : held[2]]], axis=2)
+            values = mx.concatenate([values, held[1][:, :, : held[2]]], axis=2)
+        held = (keys, values, keys.shape[2])
+    elif first is not None:
         B = call.queries.shape[0]
         held, mask = affine_decode.first_as_held(
             _first(call), held, mask, call.length, B

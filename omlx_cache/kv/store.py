@@ -183,7 +183,17 @@ class KVStore:
     def _write_rows(self, keys, values, rotated=False):
         """Encode ``keys`` and ``values`` (transformed; ``rotated``: in the
         codecs' rotated domains) into the pages after the rows written."""
+        if not self._is_batch():
+            # a sequence's first tokens are held in the first span only: the
+            # pages begin after them
+            skip = min(keys.shape[2], self.spans.first - self._written)
+            if skip > 0:
+                keys, values = keys[:, :, skip:], values[:, :, skip:]
+                self._written += skip
+                self.dropped = max(self.dropped, self._written)
         T = keys.shape[2]
+        if T == 0:
+            return
         row = self._written
         encoded = (
             self.key_codec.encode(keys, rotated),
@@ -223,7 +233,7 @@ class KVStore:
     def _add_queries(self, queries):
         """Add the squared queries at each sequence's first positions (the
         first left out) to what fixes the transform."""
-        B, n_q_heads, L, D = queries.shape
+        B, _, L, D = queries.shape
         rows = mx.arange(self._idx - L, self._idx)
         positions = rows[None] - self.left_padding_array()[:, None]  # (B, L)
         first = mx.minimum(self._tokens(self._idx), self.spans.first)[:, None]
@@ -381,9 +391,11 @@ class KVStore:
             size = self.key_pages[0][0].shape[2]
             del self.key_pages[0], self.value_pages[0]
             self.dropped += size
-        # a sliding window's first tokens go with their page
-        first_end = self._max_padding() + self.spans.first
-        if self.dropped and not self.keep and self.dropped >= first_end:
+        # a sliding window's first tokens go once no query sees them
+        if self.window is None or self.keep or self.spans.first_keys is None:
+            return
+        visible_from = self._idx - self.window + 1
+        if visible_from >= self._max_padding() + self.spans.first:
             self.spans.drop_first()
 
     def make_mask(self, N, return_array=False, window_size=None):
@@ -428,6 +440,11 @@ class KVStore:
             self._add_queries(queries)
         self._flush_pending()
         spans = self.spans
+        columns = self._idx - self.dropped
+        if isinstance(mask, mx.array) and mask.shape[-1] > columns:
+            # made before the write, which may have kept more rows out of the
+            # pages (first tokens): the columns end at the same row
+            mask = mask[..., -columns:]
         call = Call(
             queries,
             scale,
@@ -519,7 +536,7 @@ class KVStore:
 
     def trim(self, n):
         # rows a window dropped are gone: trimmed no further
-        n = min(self._idx - self.dropped, n)
+        n = min(self._idx - (0 if self.window is None else self.dropped), n)
         self._flush_pending()
         if self.spans.recent:
             held = self.spans.trim_held(n)
@@ -527,6 +544,8 @@ class KVStore:
             self._flush_held()
             held = 0
         self._written -= n - held
+        # into the first tokens: the pages hold none of the rows left
+        self.dropped = min(self.dropped, self._written)
         self._idx -= n
         self.offset = self.offset - n
         return n
