@@ -493,6 +493,8 @@ def decodes(
     _, _, L, D = queries.shape
     value_head_dim = value_pages[0][0].shape[-1] * 32 // value_bits
     n_keys = length + (held[2] if held else 0)
+    if exact is not None:
+        n_keys += min(exact[3], max(-exact[2], 0))
     return (
         L > 1
         and mx.default_device() == mx.gpu
@@ -526,12 +528,20 @@ def _dequantized_pages(pages, length, heads, group_size, bits, dtype):
     return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-2)
 
 
-def _with_kept(x, kept, first, count, length, heads):
-    """``x`` (the first ``length`` rows, dequantized) with rows ``first`` on
-    replaced by the kept unquantized ones that are stored."""
-    n = min(count, length - first)
+def _with_kept(x, kept, first, count, length, heads, dtype):
+    """``x`` (the first ``length`` rows, dequantized; None: none) with rows
+    ``first`` on replaced by the kept unquantized ones; those before row 0
+    (tokens the pages do not hold) go in front."""
+    before = min(count, max(-first, 0))
+    n = min(count - before, length - max(first, 0))
     if n > 0:
-        x[..., first : first + n, :] = kept[:, heads, :n].astype(x.dtype)
+        start = max(first, 0)
+        x[..., start : start + n, :] = kept[:, heads, before : before + n].astype(
+            x.dtype
+        )
+    if before:
+        rows = kept[:, heads, :before].astype(dtype)
+        x = rows if x is None else mx.concatenate([rows, x], axis=-2)
     return x
 
 
@@ -566,7 +576,8 @@ def decoded_attention(
     n_kv_heads = key_pages[0][0].shape[-3]
     G = queries.shape[1] // n_kv_heads
     n_held = held[2] if held else 0
-    head_bytes = _head_bytes(queries, length + n_held)
+    n_before = min(exact[3], max(-exact[2], 0)) if exact is not None else 0
+    head_bytes = _head_bytes(queries, n_before + length + n_held)
     step = max(1, min(n_kv_heads, DECODED_BYTES // head_bytes))
     outs = []
     for h in range(0, n_kv_heads, step):
@@ -581,10 +592,12 @@ def decoded_attention(
             values = _dequantized_pages(
                 value_pages, length, heads, value_group_size, value_bits, queries.dtype
             )
-        if exact is not None and length:
+        if exact is not None:
             kept_keys, kept_values, first, count = exact
-            keys = _with_kept(keys, kept_keys, first, count, length, heads)
-            values = _with_kept(values, kept_values, first, count, length, heads)
+            keys, values = (
+                _with_kept(x, kept, first, count, length, heads, queries.dtype)
+                for x, kept in ((keys, kept_keys), (values, kept_values))
+            )
         if held:
             keys = _with_held(keys, held[0], n_held, heads, queries.dtype)
             values = _with_held(values, held[1], n_held, heads, queries.dtype)

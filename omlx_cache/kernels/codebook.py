@@ -1430,12 +1430,21 @@ def prefill_attention(
         kept_keys, kept_values, first, count = kept
         if not isinstance(first, int):
             return None
+        # the kept tokens the pages do not hold (before row 0) go in front
+        before = min(count, max(-first, 0))
+        decoded = []
         for x, rows, c in (
             (keys, kept_keys, key_codec),
             (values, kept_values, value_codec),
         ):
-            rows = rotate(rows[:, :, :count], c.rotation, inverse=True)
-            x[:, :, first : first + count] = rows.astype(x.dtype)
+            rows = rotate(rows[:, :, :count], c.rotation, inverse=True).astype(dtype)
+            if count > before:
+                start = max(first, 0)
+                x[:, :, start : start + count - before] = rows[:, :, before:]
+            decoded.append(
+                mx.concatenate([rows[:, :, :before], x], axis=2) if before else x
+            )
+        keys, values = decoded
     attend = _blocked_attention
     if _fused(D, dtype):
         attend = mx.fast.scaled_dot_product_attention
