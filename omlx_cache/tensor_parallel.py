@@ -76,13 +76,13 @@ DEFAULT_CASES = (
     "fp16",
     "8,4",
     "4",
-    "4+rotate",
-    "8,4+rotate+center",
+    "bits=4 rotate=none first=0",
+    "bits=8,4 center=k",
     f"fp16@w{WINDOW}",
     f"8,4@w{WINDOW}",
     "batch fp16",
     "batch 8,4",
-    "batch 8,4+rotate+center",
+    "batch bits=8,4 center=k",
     f"batch fp16@w{WINDOW}",
     f"batch 4@w{WINDOW}",
 )
@@ -161,7 +161,7 @@ class Case:
 
 
 def parse_case(name: str) -> Case:
-    """``[batch ]SCHEME[@wN]``: e.g. ``8,4``, ``4+rotate@w24``, ``batch 4``."""
+    """``[batch ]SCHEME[@wN]``: e.g. ``8,4``, ``bits=4 first=0@w24``, ``batch 4``."""
     text = name.strip()
     batch = text.startswith("batch ")
     if batch:
@@ -421,27 +421,28 @@ def generation_slots(name: str, prompt_tokens: int, max_tokens: int) -> int:
     return reserve + max(0, -(-(total - reserve) // page) * page)
 
 
-def scheme_center(name: str) -> str:
-    """``""``, ``"k"`` or ``"kv"``: what a scheme centers."""
-    return KVSpec.parse(name).center
-
-
 def kv_bytes_per_rank(
     name: str, shape: Shape, slots: int, ranks: int = 1, held: int = 0
 ) -> int:
     """KV bytes on each rank of ``ranks`` for caches of ``slots`` tokens: a
     rank stores ``kv_heads / ranks`` heads of every layer. ``held``: decode
     tokens waiting unquantized (32 where the CUDA decode kernel runs, patch
-    0009). A centered scheme adds its float32 means (one vector per head)."""
+    0009). A scheme's first tokens are held unquantized too, and its
+    transform adds float32 vectors (one per head)."""
     if shape.kv_heads % ranks:
         raise ValueError(
             f"{ranks} ranks do not divide the model's {shape.kv_heads} KV heads."
         )
     heads = shape.kv_heads // ranks
     per_layer = slots * bytes_per_token(name, shape, heads)
-    if held:
-        per_layer += held * bytes_per_token("fp16", shape, heads)
-    per_layer += len(scheme_center(name)) * heads * shape.head_dim * 4
+    spec = KVSpec.parse(name)
+    if not spec.is_reference:
+        # the first tokens held unquantized, and the transform's float32
+        # vectors (means, key weights), one per head
+        unquantized = spec.first_tokens + held
+        per_layer += unquantized * bytes_per_token("fp16", shape, heads)
+        vectors = len(spec.center) + bool(spec.key_scale)
+        per_layer += vectors * heads * shape.head_dim * 4
     return shape.layers * per_layer
 
 
@@ -451,16 +452,17 @@ def built_kv_bytes(name: str, shape: Shape, slots: int, ranks: int = 1) -> int:
     allocated)."""
     from mlx_lm.models.cache import KVCache
 
-    quantization = scheme_quantization(name)
+    spec = KVSpec.parse(name)
     dtype = {2: mx.float16, 4: mx.float32}[shape.dtype_bytes]
     heads = shape.kv_heads // ranks
     total = 0
     for _ in range(shape.layers):
-        if quantization is None:
+        if spec.is_reference:
             cache, tokens = KVCache(), slots
         else:
-            (kb, kg), (vb, vg) = quantization
-            cache, tokens = KVStore(Affine(kb, kg), Affine(vb, vg), first=0), 1
+            # the first tokens and one more: its page is allocated
+            cache = KVStore(*spec.codecs(), **spec.settings())
+            tokens = spec.first_tokens + 1
             cache.reserve = slots
         x = mx.zeros((1, heads, tokens, shape.head_dim), dtype)
         cache.update_and_fetch(x, x)

@@ -298,7 +298,7 @@ def test_bounded_server_keeps_first_tokens(fresh_server):
         "fp16": (),
         "8": ("--kv-bits", "8"),
         "4": ("--kv-bits", "4"),
-        "4+rotate": ("--kv-bits", "4", "--kv-rotate"),
+        "plain 4": ("--kv-bits", "4", "--kv-cache-config", "rotate=none first=0"),
     }
     answers = {}
     for name, extra in flags.items():
@@ -331,18 +331,30 @@ def test_batchable_scheme_is_batched(fresh_server, tokenizer):
     [
         (
             ("--kv-cache-config", "bits=4 centre=k"),
-            "Unknown scheme item 'centre'",
+            "--kv-cache: --kv-cache-config 'bits=4 centre=k': Unknown scheme item",
         ),
-        (("--kv-bits", "4"), "makes the KV caches itself; leave out --kv-bits"),
-        (("--kv-cache", "no-such-cache"), "'no-such-cache', but no installed package"),
+        (
+            ("--kv-bits", "4", "--kv-cache-config", "q4"),
+            "--kv-bits 4 and --kv-cache-config 'q4' both set the bits",
+        ),
+        (("--kv-group-size", "32"), "--kv-group-size needs --kv-bits"),
+        (("--kv-bits", "3", "--kv-group-size", "48"), "argument --kv-group-size"),
+        (("--kv-bits", "9"), "argument --kv-bits"),
+        (("--kv-cache-config", "bits=4 rotate=q"), "rotate='q': one of kv, k, v, none"),
+        (("--kv-cache", "no-such-cache"), "argument --kv-cache: no installed package"),
+        (("--prompt-cache-disk-bytes", "lots"), "argument --prompt-cache-disk-bytes"),
+        (("--prompt-cache-dir", "/etc/hostname"), "argument --prompt-cache-dir"),
+        (("--kv-rotate", "q"), "unrecognized arguments: --kv-rotate"),
     ],
 )
 def test_bad_kv_cache_flags_are_named(smollm2_dirs, tmp_path, flags, error):
-    command = [sys.executable, "-m", "mlx_lm.server", "--model", str(smollm2_dirs[1])]
-    command += ["--kv-cache", "omlx", *flags]
+    # each refused when parsed, before the server starts, with a line naming it
+    command = [sys.executable, "-m", "mlx_lm", "server", "--model"]
+    command += [str(smollm2_dirs[1]), *flags]
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path))
     done = subprocess.run(
         command, check=False, env=env, capture_output=True, text=True, timeout=120
     )
-    assert done.returncode == 2
+    assert done.returncode == 2, done.stderr
     assert error in done.stderr
+    assert "Traceback" not in done.stderr and "Starting httpd" not in done.stderr

@@ -204,8 +204,9 @@ class KVStore:
         while capacity < start + T:
             size = self.page_size
             if self.reserve and not self.key_pages:
-                # a multiple of 16 tokens keeps the kernels' tiles in a page
-                size = max(size, -(-self.reserve // 16) * 16)
+                # the generation in one page; a multiple of 16 tokens keeps
+                # the kernels' tiles in a page
+                size = -(-self.reserve // 16) * 16
             self._add_page(keys, values, size)
             capacity += size
         for pages, parts in zip((self.key_pages, self.value_pages), encoded):
