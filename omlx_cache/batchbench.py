@@ -1,10 +1,12 @@
 """Total decode throughput of mlx-lm's BatchGenerator with n concurrent streams, per KV scheme.
 
     python -m omlx_cache.batchbench --model models/SmolLM2-135M-Instruct-f32 \\
-        --streams 1,4,8 --kv fp16 --kv 8,4 --kv 4 --out docs/data/batchbench-cpu.json
+        --streams 1,4,8 --kv fp16 --kv 8,4 --kv 4 --out build/batchbench.json
 
-`--max-kv-size N` bounds every stream's context to N tokens (rotating caches, quantized with
-a quantized scheme), as `mlx_lm.server --max-kv-size N` does.
+Schemes as ``omlx_cache.kv.spec`` takes them; each stream's caches are the
+scheme's (``make_cache``), batched by ``BatchGenerator`` as the server batches
+them. `--max-kv-size N` bounds every stream's context to N tokens, as
+`mlx_lm.server --max-kv-size N` does.
 """
 
 import argparse
@@ -14,7 +16,9 @@ import time
 from pathlib import Path
 
 from mlx_lm import load
-from mlx_lm.generate import BatchGenerator, kv_quantization_arg
+from mlx_lm.generate import BatchGenerator
+
+from .kv.spec import KVSpec
 
 PROMPTS = [
     "Write a story about Einstein",
@@ -28,7 +32,7 @@ PROMPTS = [
 ]
 
 
-def run(model, tokenizer, n, kv_bits, max_tokens, max_kv_size=None):
+def run(model, tokenizer, n, spec, max_tokens, max_kv_size=None):
     prompts = [
         tokenizer.apply_chat_template(
             [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
@@ -38,13 +42,9 @@ def run(model, tokenizer, n, kv_bits, max_tokens, max_kv_size=None):
         for i in range(n)
     ]
     gen = BatchGenerator(
-        model,
-        max_tokens=max_tokens,
-        completion_batch_size=n,
-        kv_bits=kv_bits,
-        max_kv_size=max_kv_size,
+        model, max_tokens=max_tokens, completion_batch_size=n, max_kv_size=max_kv_size
     )
-    gen.insert(prompts)
+    gen.insert(prompts, caches=[spec.make_cache(model, max_kv_size) for _ in prompts])
     tic, first, tokens = time.perf_counter(), None, 0
     while responses := gen.next_generated():
         if first is None:
@@ -53,7 +53,7 @@ def run(model, tokenizer, n, kv_bits, max_tokens, max_kv_size=None):
     toc = time.perf_counter()
     return {
         "streams": n,
-        "kv": "fp16" if kv_bits is None else str(kv_bits),
+        "kv": str(spec),
         "max_kv_size": max_kv_size,
         "tokens": tokens,
         "prefill_s": first - tic,
@@ -65,21 +65,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m omlx_cache.batchbench")
     parser.add_argument("--model", default="models/SmolLM2-135M-Instruct-f32")
     parser.add_argument("--streams", default="1,4,8")
-    parser.add_argument("--kv", action="append", help="fp16, N or K,V (repeatable)")
+    parser.add_argument("--kv", action="append", help="a scheme (repeatable)")
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--max-kv-size", type=int, help="bounded context (tokens)")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
+    try:
+        schemes = [KVSpec.parse(k) for k in args.kv or ["fp16", "8,4", "4"]]
+    except ValueError as e:
+        parser.error(f"--kv: {e}")
     model, tokenizer = load(args.model)
-    schemes = [
-        None if k == "fp16" else kv_quantization_arg(k)
-        for k in args.kv or ["fp16", "8,4", "4"]
-    ]
-    run(model, tokenizer, 1, None, 4)  # warm-up
+    run(model, tokenizer, 1, KVSpec(), 4)  # warm-up
     rows = []
     for n in map(int, args.streams.split(",")):
-        for kv_bits in schemes:
-            row = run(model, tokenizer, n, kv_bits, args.max_tokens, args.max_kv_size)
+        for spec in schemes:
+            row = run(model, tokenizer, n, spec, args.max_tokens, args.max_kv_size)
             print(
                 f"streams {n} kv {row['kv']}: {row['decode_tok_s']:.1f} tok/s",
                 file=sys.stderr,
