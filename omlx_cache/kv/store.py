@@ -531,12 +531,26 @@ class KVStore:
     def size(self):
         return self._idx
 
+    def _first_skip(self) -> int:
+        """Rows of the first tokens the pages do not hold (a sequence's are
+        in its first span only; a batch writes every row to its pages)."""
+        return 0 if self._is_batch() else min(self.spans.first, self._written)
+
+    def _window_dropped(self) -> bool:
+        """Whether a window dropped rows no query sees: pages, or a sliding
+        window's first span."""
+        if self.window is None:
+            return False
+        gone = self.spans.first and self._written and self.spans.first_keys is None
+        return self.dropped > self._first_skip() or bool(gone)
+
     def is_trimmable(self):
-        return not self.dropped
+        return not self._window_dropped()
 
     def trim(self, n):
-        # rows a window dropped are gone: trimmed no further
-        n = min(self._idx - (0 if self.window is None else self.dropped), n)
+        # rows a window dropped are gone: trimmed no further (the first
+        # tokens the pages skip are in the first span)
+        n = min(self._idx - (self.dropped if self._window_dropped() else 0), n)
         self._flush_pending()
         if self.spans.recent:
             held = self.spans.trim_held(n)
