@@ -923,16 +923,18 @@ class BatchKVStore(KVStore):
         settings = self.settings
         store = KVStore(**settings)
         padding = self.left_padding.tolist()[idx]
-        skip = max(padding - self.dropped, 0)
+        n = self._idx - padding
+        store.offset = store._idx = n
+        store._written = self._written - padding
+        # as a sequence's store lays its rows out: its first tokens in the
+        # first span only, the pages after them
+        store.dropped = max(self.dropped - padding, store._first_skip(), 0)
+        skip = store.dropped + padding - self.dropped
         keys, values = self.keys_and_values()
         store.key_pages, store.value_pages = (
             [tuple(mx.contiguous(x[idx : idx + 1, :, skip:]) for x in stored)]
             for stored in (keys, values)
         )
-        n = self._idx - padding
-        store.offset = store._idx = n
-        store.dropped = max(self.dropped - padding, 0)
-        store._written = self._written - padding
         spans = self.spans
         if spans.n_held:
             store.spans.held_keys = mx.contiguous(spans.held_keys[idx : idx + 1])
@@ -981,8 +983,16 @@ def _combine(batch, stores):
     pads = [idx - c._idx for c in stores]
     full = [c for c in stores if c._idx]
     written = min((c._written + p for c, p in zip(stores, pads) if c._idx), default=idx)
+    # a sequence's first tokens that its store holds in the first span only
+    # are zeros in the batch's pages (a batch's pages hold every row but
+    # those a window dropped; attention reads the first span instead)
     dropped = min(
-        (c.dropped + p for c, p in zip(stores, pads) if c._written), default=0
+        (
+            c.dropped + p - (0 if c.window is not None else c._first_skip())
+            for c, p in zip(stores, pads)
+            if c._written
+        ),
+        default=0,
     )
     left = [
         c.left_padding + p if isinstance(c.left_padding, mx.array) else mx.array([p])
@@ -995,7 +1005,16 @@ def _combine(batch, stores):
     pages = [c._page_rows(dropped, written, p) for c, p in zip(stores, pads)]
     like = None
     if written > dropped:
-        like = next(c for c in full if c._written > c.dropped).keys_and_values()
+        source = next((c for c in full if c._written > c.dropped), None)
+        if source is not None:
+            like = source.keys_and_values()
+        else:
+            # every store holds its rows in the first span only: zeros
+            source = next(c for c in full if c.spans.first_keys is not None)
+            like = (
+                batch.key_codec.empty_page(source.spans.first_keys, 1),
+                batch.value_codec.empty_page(source.spans.first_values, 1),
+            )
     batch.left_padding = mx.concatenate(left)
     batch.offset = mx.concatenate(
         [
