@@ -498,9 +498,21 @@ class KVStore:
         none."""
         n_held = self.spans.n_held
         from_pages = min(count - n_held, self._written - self.dropped)
-        if count <= 0 or (n_held == 0 and from_pages <= 0):
+        # rows before the pages: first tokens a sequence holds in its first
+        # span only
+        before = self._first_skip() if self.dropped == self._first_skip() else 0
+        from_first = min(count - n_held - max(from_pages, 0), before)
+        if count <= 0 or (n_held == 0 and from_pages <= 0 and from_first <= 0):
             return None
         parts = []
+        if from_first > 0:
+            rows = slice(self.dropped - from_first, self.dropped)
+            parts.append(
+                tuple(
+                    x[:, :, rows].astype(dtype)
+                    for x in (self.spans.first_keys, self.spans.first_values)
+                )
+            )
         if from_pages > 0:
             keys, values = self.keys_and_values()
             rows = slice(keys[0].shape[2] - from_pages, None)
