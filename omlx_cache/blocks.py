@@ -501,8 +501,12 @@ class StoreLayout:
     quantized again), rows ``written:idx`` the held ones (a residual's, or a
     kernel's decode tokens), unquantized in the codecs' rotated domains. The
     first tokens kept unquantized, the transform's arrays and the settings
-    (JSON) are the layer's settings. A store that dropped pages (a window)
-    has no prefix from its first token: nothing to store (length 0)."""
+    (JSON) are the layer's settings. A store's pages begin after its first
+    tokens (they are in the first span only): their rows are stored encoded
+    from the first span, so that the pages' rows run from row 0 as in blocks
+    of every version, and restored stores leave them out again (never read).
+    A store whose window dropped rows (pages, or a sliding window's first
+    span) has no prefix from its first token: nothing to store (length 0)."""
 
     name = "store"
     segments = (("keys", "values"), ("held_keys", "held_values"))
@@ -510,16 +514,21 @@ class StoreLayout:
     def length(self, store) -> int:
         if store.empty():
             return 0
-        _, idx, _, dropped, _ = _rows(store.state)
-        return 0 if dropped else idx
+        _, idx, _, _, _ = _rows(store.state)
+        return 0 if store._window_dropped() else idx
 
     def split(self, store) -> LayerState:
         state = store.state
         key_pages, value_pages = state[:2]
         first_keys, first_values, held_keys, held_values = state[2:6]
         _, idx, written, dropped, n_held = _rows(state)
+        if store._window_dropped():
+            raise ValueError("KV stores whose window dropped rows")
         if dropped:
-            raise ValueError("KV stores that dropped pages (a window)")
+            # the first tokens the pages skip, as pages would hold them
+            rows = (first_keys[:, :, :dropped], first_values[:, :, :dropped])
+            key_pages = [store.key_codec.encode(rows[0], True), *key_pages]
+            value_pages = [store.value_codec.encode(rows[1], True), *value_pages]
         segments = [
             Segment(0, written, {"keys": key_pages, "values": value_pages}),
         ]
@@ -550,9 +559,16 @@ class StoreLayout:
 
     def build(self, cls, parts: dict, length: int, settings: list, plain: bool):
         first_keys, first_values, key_mean, value_mean, key_weights, text = settings
-        page_size = int(json.loads(text)["page_size"])
+        described = json.loads(text)
+        page_size = int(described["page_size"])
         keys, values = parts.get("keys"), parts.get("values")
         written = keys[0].shape[-2] if keys else 0
+        # the pages begin after the first tokens (in the first span only)
+        dropped = min(int(described["first"]), written)
+        if dropped:
+            keys, values = (
+                tuple(x[..., dropped:, :] for x in p) for p in (keys, values)
+            )
         held_keys, held_values = (
             parts[kind][0] if kind in parts else None
             for kind in ("held_keys", "held_values")
@@ -570,7 +586,7 @@ class StoreLayout:
             length,
             length,
             written,
-            0,
+            dropped,
             length - written,
             text,
         )

@@ -49,15 +49,26 @@ def codec_round(codec, x):
     return rotate(decoded, codec.rotation, inverse=True)
 
 
+def front(store):
+    """Rows before the pages that attention reads from the first span: a
+    sequence's first tokens, which its store holds there only (rows 0 to
+    this; a batch's pages hold every row but those a window dropped)."""
+    spans = store.spans
+    if spans.first_keys is None or store._is_batch():
+        return 0
+    return min(spans.first, store.dropped)
+
+
 def stored(store):
     """What a store's attention reads, in float32, as the model gave it: the
-    pages decoded (rows ``dropped`` on), each sequence's first tokens as the
-    first span keeps them, the recent or held tokens as held, rotated back,
-    keys unweighted and uncentered, values uncentered. A pending write (the
-    one that completes the first tokens) is written, the transform fixed
-    with the queries seen so far, and an incoming held token landed. (Page
-    rows of the first tokens, written before the transform was fixed, are
-    read from the first span, as attention reads them.)"""
+    first tokens the pages do not hold (``front``) as the first span keeps
+    them, then the pages decoded (rows ``dropped`` on; a batch's first
+    tokens as the first span keeps them), then the recent or held tokens as
+    held, rotated back, keys unweighted and uncentered, values uncentered. A
+    pending write (the one that completes the first tokens) is written, the
+    transform fixed with the queries seen so far, and an incoming held token
+    landed. (A window that dropped pages leaves a gap between the first
+    tokens and the pages.)"""
     kc, vc = store.key_codec, store.value_codec
     spans = store.spans
     store._flush_pending()
@@ -68,22 +79,26 @@ def stored(store):
         decoded = [codec.decode(page, mx.float32) for page in pages]
         if decoded:
             parts.append(mx.concatenate(decoded, axis=2)[:, :, :length])
-        else:  # every token held (a residual not yet full)
-            held = spans.held_keys if codec is kc else spans.held_values
-            parts.append(held[:, :, :0].astype(mx.float32))
+        else:  # no page rows (every token held, or in the first span)
+            like = spans.held_keys if spans.n_held else spans.first_keys
+            if codec is vc:
+                like = spans.held_values if spans.n_held else spans.first_values
+            parts.append(like[:, :, :0].astype(mx.float32))
     keys, values = parts
-    if spans.first_keys is not None:
-        padding = store.left_padding_array().tolist()
-        # a KVStore's sequences (any batch size) all start at row 0
-        rows = [slice(i, i + 1) for i in range(len(padding))]
-        if len(padding) == 1:
-            rows = [slice(None)]
-        for i, pad in zip(rows, padding):
+    if spans.first_keys is not None and store._is_batch():
+        # each sequence's first tokens at rows left_padding[i] on
+        for i, pad in enumerate(store.left_padding_array().tolist()):
             lo = pad - store.dropped
             n = min(spans.first, keys.shape[2] - lo)
             if lo >= 0 and n > 0:
                 keys[i, :, lo : lo + n] = spans.first_keys[i, :, :n]
                 values[i, :, lo : lo + n] = spans.first_values[i, :, :n]
+    n = front(store)
+    if n:
+        keys = mx.concatenate([spans.first_keys[:, :, :n].astype(mx.float32), keys], 2)
+        values = mx.concatenate(
+            [spans.first_values[:, :, :n].astype(mx.float32), values], 2
+        )
     if spans.n_held:
         held = [
             x[:, :, : spans.n_held].astype(mx.float32)
@@ -105,6 +120,36 @@ def stored(store):
     return keys, values
 
 
+def stored_mask(store, mask, L):
+    """``mask`` (over the rows the store attends, or made before the write:
+    more columns, read right-aligned as the store reads them) for ``stored``'s
+    rows: the ``front`` ones in front, seen by a query at or after their row
+    (and, in a window, within it or among its sinks). Strings and None as
+    they are (``mx.fast`` aligns "causal" at the end)."""
+    if not isinstance(mask, mx.array):
+        return mask
+    columns = store._idx - store.dropped
+    if mask.shape[-1] > columns:
+        mask = mask[..., mask.shape[-1] - columns :]
+    n = front(store)
+    if not n:
+        return mask
+    while mask.ndim < 4:
+        mask = mask[None]
+    q = mx.arange(store._idx - L, store._idx)[:, None]
+    rows = mx.arange(n)[None]
+    visible = rows <= q
+    if store.window is not None:
+        visible = visible & (
+            (q - rows < store.window - store.keep) | (rows < store.keep)
+        )
+    if mask.dtype != mx.bool_:
+        visible = mx.where(visible, 0.0, -float("inf")).astype(mask.dtype)
+    mask = mx.broadcast_to(mask, (*mask.shape[:2], L, mask.shape[-1]))
+    visible = mx.broadcast_to(visible, (*mask.shape[:3], n))
+    return mx.concatenate([visible, mask], axis=-1)
+
+
 def float_attention(queries, keys, values, mask=None, sinks=None, scale=None):
     """float32 attention (mx.fast) over ``keys`` and ``values``."""
     scale = queries.shape[-1] ** -0.5 if scale is None else scale
@@ -116,4 +161,6 @@ def float_attention(queries, keys, values, mask=None, sinks=None, scale=None):
 
 def reference(store, queries, mask, sinks=None, scale=None):
     """float32 attention over what the store holds (``stored``)."""
-    return float_attention(queries, *stored(store), mask, sinks, scale)
+    keys, values = stored(store)
+    mask = stored_mask(store, mask, queries.shape[2])
+    return float_attention(queries, keys, values, mask, sinks, scale)

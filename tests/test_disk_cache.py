@@ -65,9 +65,11 @@ KINDS = {
     # and 32, a 72-token residual (held tokens over several blocks)
     "q4": spec_cache("q4"),
     "center=kv": spec_cache("bits=4 center=kv qscale=q"),
-    # bounded layers that have dropped nothing yet
+    # bounded layers that have dropped nothing yet (bits=4: 16 first tokens,
+    # 4 of them sinks, in the first span only)
     "fp16 rotating": spec_cache("fp16", 512),
     "bits=8 window": spec_cache("bits=8", 512),
+    "bits=4 window": spec_cache("bits=4", 512),
 }
 
 
@@ -134,8 +136,31 @@ def test_round_trip(model, tokens, tmp_path, kind):
     restored, n = tier(tmp_path).fetch(MODEL, tokens, 0)
     assert n == 250
     assert held_counts(restored) == held_counts(cache)
+    # a store's pages begin after its first tokens (in the first span only)
+    assert [getattr(c, "dropped", 0) for c in restored] == [
+        getattr(c, "dropped", 0) for c in cache
+    ]
     assert_same_cache(cache, restored, n)
     assert_goes_on_alike(model, tokens, cache, restored, n, 280)
+
+
+def test_a_prefix_restored_shorter_than_the_first_tokens(model, tokens, tmp_path):
+    """Blocks of 8 tokens, 16 first tokens: the first block's page rows are
+    the first span's (stored encoded, so the pages' rows run from row 0) and
+    a prefix of one block restores a store of 8 tokens with none in its
+    pages; the model goes on from it as from the stored cache trimmed."""
+    cache = stored(model, tokens, "bits=4", 100)
+    assert cache[0].dropped == 16
+    t = DiskPromptCache(tmp_path, block_tokens=8)
+    t.insert(MODEL, tokens[:100], cache)
+    t.flush()
+    for prefix in (8, 16, 24, 100):
+        restored, n = DiskPromptCache(tmp_path, block_tokens=8).fetch(
+            MODEL, tokens[: prefix + 1], 0
+        )
+        assert n == prefix
+        assert (restored[0].dropped, restored[0]._written) == (min(16, n), n)
+        assert_goes_on_alike(model, tokens, cache, restored, n, 110)
 
 
 @pytest.mark.parametrize("kind", ["fp16", "bits=8,4"])
@@ -194,15 +219,12 @@ def test_residual_held_tokens_go_to_disk_unquantized(model, tokens, tmp_path, ki
     assert_same_cache(longer, restored, n)
     assert_goes_on_alike(model, tokens, longer, restored, n, 280)
     # the first prompt again: the longer one's blocks (rows in the pages),
-    # then the first one's tail of held tokens, if its settings are theirs
-    # (q4's was stored before any token reached its pages: it had no first
-    # tokens kept yet)
+    # then the first one's tail of held tokens, its settings being theirs
+    # (q4's too: its first tokens and transform were kept from the first
+    # write, before any token reached its pages)
     restored, n = tier(tmp_path).fetch(MODEL, tokens[:101], 0)
     assert_same_cache(longer, restored, 3 * B)
-    if kind == "q4":
-        assert n == 3 * B and held_counts(restored) == [0] * len(restored)
-    else:
-        assert n == 100 and held_counts(restored) == [100 - 3 * B] * len(restored)
+    assert n == 100 and held_counts(restored) == [100 - 3 * B] * len(restored)
 
 
 def test_bad_held_block_is_skipped_and_removed(model, tokens, tmp_path, caplog):
@@ -227,23 +249,29 @@ def test_bad_held_block_is_skipped_and_removed(model, tokens, tmp_path, caplog):
     assert not victim.exists()
 
 
-def test_kernel_held_tokens_come_back_rotated(tmp_path):
+@pytest.mark.parametrize("first", [0, 16])
+def test_kernel_held_tokens_go_to_the_pages_first(tmp_path, first):
     """Decode tokens a kernel holds outside the codecs' rotated domains (as
-    CUDA's codebook kernel asks) are stored rotated, as a restored store
-    reads its held tokens: it attends as the stored one."""
+    CUDA's codebook kernel asks) go to the pages before a store is stored
+    (its state holds none: it does not say in which domain they are held):
+    the restored store holds them in its pages and attends as the stored
+    one (the first tokens in its first span only, the pages after them)."""
     mx.random.seed(0)
     keys, values = (mx.random.normal((1, 2, 40, 64)) for _ in range(2))
-    store = KVStore(Affine(4, 64, "hadamard"))
+    store = KVStore(Affine(4, 64, "hadamard"), first=first)
     store.update_and_fetch(keys[:, :, :36], values[:, :, :36])
     store.spans.hold = Hold(8, rotated=False)
     for t in range(36, 40):
         store.update_and_fetch(keys[:, :, t : t + 1], values[:, :, t : t + 1])
-    assert held_counts([store]) == [4] and not store.spans.rotated
+    assert store.spans.n_held == 4 and not store.spans.rotated
     t = tier(tmp_path)
     t.insert(MODEL, list(range(40)), [store])
     t.flush()
+    assert store.spans.n_held == 0 and store._written == 40
     (restored,), n = tier(tmp_path).fetch(MODEL, list(range(41)), 0)
-    assert n == 40 and held_counts([restored]) == [4]
+    assert n == 40 and held_counts([restored]) == [0]
+    assert (restored.dropped, restored._written) == (store.dropped, 40) == (first, 40)
+    assert_same_cache([store], [restored], 40)
     queries = mx.random.normal((1, 4, 1, 64))
     expected, got = (
         c.scaled_dot_product_attention(queries, None, None, scale=0.125, mask=None)

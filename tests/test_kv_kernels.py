@@ -174,7 +174,8 @@ def test_the_call_a_store_makes():
     s.update_and_fetch(keys, values)
     queries = mx.random.normal((1, 4, 30, 64))
     call = call_of(s, queries, "causal")
-    assert call.length == call.total == 30 and call.mask == "causal"
+    # the pages hold rows 4 to 29: the first tokens are in the first span only
+    assert call.length == call.total == 26 and call.mask == "causal"
     assert call.key_codec == Codebook(3) and call.value_codec.bits == 4
     # the transform, fixed by this call's queries at positions 1 to 3
     assert call.key_mean is s.transform.key_mean is not None
@@ -182,7 +183,8 @@ def test_the_call_a_store_makes():
     assert call.key_weights is s.transform.key_weights is not None
     assert call.recent is None and call.sinks is None
     # the first tokens, centered, weighted and rotated as the pages' rows
-    assert (call.first.first, call.first.count, call.first.mask) == (0, 4, None)
+    # at rows -4 to -1 of the pages: none of them to hide
+    assert (call.first.first, call.first.count, call.first.mask) == (-4, 4, None)
     assert call.first.keys is s.spans.first_keys
     t = s.transform
     want = rotate((keys[:, :, :4] - t.key_mean) * t.key_weights, "hadamard")
@@ -304,10 +306,15 @@ def test_a_batch_writes_held_tokens_before_it_moves_pages(register):
     batch = KVStore.merge(stores)
     assert all(s.spans.n_held == 0 for s in stores)
     assert batch.offset.tolist() == [22, 37] and batch.spans.n_held == 0
+    # a decode step, its mask made before the write (as a model makes it:
+    # the mask's columns end at the row written)
     queries = mx.random.normal((2, 4, 1, 64))
+    keys, values = random_kv(2, 2, 1, 64)
     mask = batch.make_mask(1)
+    batch.update_and_fetch(keys, values)
     out = batch.scaled_dot_product_attention(queries, None, None, 0.125, mask)
     for i, s in enumerate(stores):
+        s.update_and_fetch(keys[i : i + 1], values[i : i + 1])
         want = s.scaled_dot_product_attention(
             queries[i : i + 1], None, None, 0.125, None
         )
@@ -366,6 +373,37 @@ def test_decode_reads_first_tokens_as_held_ones(first, B, mask, held):
     assert relative_error(ops_attention(call), want) < 1e-5
 
 
+@pytest.mark.parametrize("mask", [None, "bool", "additive"])
+@pytest.mark.parametrize("held", [0, 5])
+def test_decode_takes_first_tokens_before_the_pages_as_held_ones(mask, held):
+    """A sequence's first tokens at rows -8 to -1 (its pages begin after
+    them): the decode kernel takes them ahead of its held tokens
+    (``kernels._decode``), a mask array getting them as visible columns
+    between the pages' and the held ones' (``first_tokens_visible``); as
+    the MLX-ops loop attends them. The codebook decode kernel, which reads
+    their visibility from the mask at their rows, leaves such a call with a
+    mask array to the loop."""
+    total = 90 + held
+    if mask is not None:
+        visible = (mx.arange(total) % 7 != 3)[None, None, None]
+        mask = visible if mask == "bool" else mx.where(visible, 0.0, -1e9)
+    call = affine_call(first=-8, held=held, mask=mask)
+    want = ops_attention(call)
+    first, recent = call.first, call.recent
+    keys, values = first.keys, first.values
+    if recent is not None:
+        keys = mx.concatenate([keys, recent.keys[:, :, : recent.count]], axis=2)
+        values = mx.concatenate([values, recent.values[:, :, : recent.count]], axis=2)
+    new_mask = backend.first_tokens_visible(call.mask, call.length, 8)
+    if mask is not None:
+        assert new_mask.shape[-1] == total + 8
+    call.first, call.mask = None, new_mask
+    call.recent = Recent(keys, values, keys.shape[2])
+    assert relative_error(ops_attention(call), want) < 1e-5
+    decline = affine_call(first=-8, held=held, mask=mask)
+    assert backend._codebook_applies(decline) == (mask is None)
+
+
 @pytest.mark.parametrize("first,held", [(None, 0), (0, 0), (0, 5), (None, 7)])
 def test_decoded_prefill_attends_as_the_ops_loop(first, held):
     """``affine_prefill.decoded_attention`` (the CUDA prefill path over
@@ -389,6 +427,123 @@ def test_decoded_prefill_attends_as_the_ops_loop(first, held):
         held=None if recent is None else (recent.keys, recent.values, recent.count),
     )
     assert relative_error(call.finish(out), want) < 1e-5
+
+
+def prefilled(store, lengths, L, seed, mask_kind="causal"):
+    """``store`` (a ``KVStore``, or a ``BatchKVStore`` of equal padding) fed
+    chunks of ``lengths`` tokens (B and heads as the store's first write
+    says: 2 sequences for a batch, else 1; 2 KV heads), each attended; the
+    last chunk's ``L`` queries, mask (made before its write, as a model
+    makes it: "causal", or a boolean or additive array) and the attention
+    call the store makes for them."""
+    B = 2 if isinstance(store, BatchKVStore) else 1
+    keys, values = random_kv(B, 2, sum(lengths), 64, seed=seed, offset=2)
+    start = 0
+    for i, n in enumerate(lengths):
+        last = i == len(lengths) - 1
+        array = last and mask_kind != "causal"
+        mask = store.make_mask(n, return_array=array)
+        if array and mask_kind == "additive":
+            mask = mx.where(mask, 0.0, -1e9)
+        store.update_and_fetch(
+            keys[:, :, start : start + n], values[:, :, start : start + n]
+        )
+        queries = mx.random.normal((B, 6, n, 64))
+        if last:
+            return queries, mask, call_of(store, queries, mask)
+        store.scaled_dot_product_attention(queries, None, None, 0.125, mask)
+        start += n
+
+
+def past_padding(store, L):
+    """The last ``L`` queries' rows at or after every sequence's left padding
+    (queries that see no key have no defined output)."""
+    padding = max(store.left_padding_array().tolist())
+    return slice(max(padding - (store._idx - L), 0), None)
+
+
+def first_as_int(call):
+    """The call's first tokens with one row for every sequence (a batch of
+    equal padding) as the prefill kernels take them: an int."""
+    keys, values, first, count = call.first[:4]
+    if not isinstance(first, int):
+        rows = set(first.tolist())
+        assert len(rows) == 1
+        first = rows.pop()
+    return keys, values, first, count
+
+
+AFFINE_PREFILL = {
+    # the pages begin after a sequence's first tokens: rows -8 to -1
+    "outside": (
+        lambda: KVStore(Affine(8, 64, "hadamard"), Affine(4, 64, "hadamard"), first=8),
+        (60, 20),
+        -8,
+    ),
+    "outside-transform": (
+        lambda: KVStore(
+            Affine(4, 64, "hadamard"), center="kv", key_scale="qk", first=16
+        ),
+        (5, 40, 20),
+        -16,
+    ),
+    # first tokens and a residual's held tokens around the pages
+    "outside-held": (
+        lambda: KVStore(Affine(8, 64, "hadamard"), first=8, recent=16),
+        (50, 20),
+        -8,
+    ),
+    # a chunk that completes the first tokens: 3 of them, in the pages of
+    # no store, before row 0 (the rest of the chunk follows them)
+    "outside-chunk": (lambda: KVStore(Affine(8, 64, "hadamard"), first=8), (5, 20), -8),
+    # a batch's pages hold its sequences' first tokens: rows 3 to 10
+    "batch-inside": (
+        lambda: BatchKVStore([3, 3], Affine(8, 64, "hadamard"), first=8),
+        (40, 20),
+        3,
+    ),
+    "batch-short": (
+        lambda: BatchKVStore([3, 3], Affine(8, 64, "hadamard"), first=8),
+        (6,),
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(AFFINE_PREFILL))
+def test_decoded_prefill_takes_first_tokens_outside_the_pages(case):
+    """``affine_prefill.decoded_attention`` (MLX ops: it runs here) over
+    the call a store makes: a sequence's first tokens, which its pages do
+    not hold, in front of the dequantized copy; a batch's read in place of
+    their copies in the pages; as the store's own attention (the MLX-ops
+    loop here)."""
+    make, lengths, first = AFFINE_PREFILL[case]
+    s = make()
+    queries, mask, call = prefilled(s, lengths, 20, seed=len(case))
+    exact = first_as_int(call)
+    assert exact[2] == first and exact[3] == s.spans.first
+    recent = call.recent
+    held = None if recent is None else (recent.keys, recent.values, recent.count)
+    assert (held is not None) == (case == "outside-held")
+    k, v = s.key_codec, s.value_codec
+    out = affine_prefill.decoded_attention(
+        call.rotated_queries(),
+        call.key_pages,
+        call.value_pages,
+        call.scale,
+        call.length,
+        k.group_size,
+        k.bits,
+        v.group_size,
+        v.bits,
+        # (a batch's: the array over the pages' rows that hides its padding)
+        mask=call.mask,
+        exact=exact,
+        held=held,
+    )
+    want = s.scaled_dot_product_attention(queries, None, None, 0.125, mask)
+    rows = past_padding(s, queries.shape[2])
+    assert relative_error(call.finish(out)[:, :, rows], want[:, :, rows]) < 1e-5
 
 
 def test_affine_decode_helpers():
@@ -705,6 +860,65 @@ def test_codebook_prefill_by_ops_attends_as_the_loop(kept):
             kept=None if call.first is None else tuple(call.first[:4]),
         )
     assert relative_error(out, ops_attention(call)) < 1e-5
+
+
+CODEBOOK_PREFILL = {
+    "outside": (
+        lambda: KVStore(Codebook(4), Codebook(3), first=8, page_size=32),
+        (50, 20),
+        -8,
+    ),
+    "outside-transform": (
+        lambda: KVStore(
+            Codebook(4), center="kv", key_scale="qk", first=16, page_size=32
+        ),
+        (5, 40, 20),
+        -16,
+    ),
+    "outside-chunk": (lambda: KVStore(Codebook(4), first=8, page_size=32), (5, 20), -8),
+    "batch-inside": (
+        lambda: BatchKVStore([3, 3], Codebook(4), first=8, page_size=32),
+        (40, 20),
+        3,
+    ),
+    # the pages hold 3 of a batch's 8 first tokens yet
+    "batch-short": (
+        lambda: BatchKVStore([3, 3], Codebook(4), first=8, page_size=32),
+        (6,),
+        3,
+    ),
+}
+
+
+@pytest.mark.parametrize("mask", ["causal", "bool", "additive"])
+@pytest.mark.parametrize("case", list(CODEBOOK_PREFILL))
+def test_codebook_prefill_by_ops_takes_first_tokens_outside_the_pages(case, mask):
+    """``codebook.prefill_attention`` with its pages decoded by MLX ops (so
+    it runs here) over the call a store makes: a sequence's first tokens,
+    which its pages do not hold, in front of the decoded copy (a mask array,
+    over the pages' rows, gets their columns: seen at or after their rows);
+    a batch's in place of their copies; as the store's own attention (the
+    MLX-ops loop here)."""
+    make, lengths, first = CODEBOOK_PREFILL[case]
+    s = make()
+    queries, mask, call = prefilled(s, lengths, 20, seed=len(case), mask_kind=mask)
+    kept = first_as_int(call)
+    assert kept[2] == first and call.recent is None
+    with codebook_kernel.decoding_by_ops():
+        out = codebook_kernel.prefill_attention(
+            call.weighted_queries(),
+            call.key_pages,
+            call.value_pages,
+            call.key_codec,
+            call.value_codec,
+            call.scale,
+            call.mask,
+            call.length,
+            kept=kept,
+        )
+    want = s.scaled_dot_product_attention(queries, None, None, 0.125, mask)
+    rows = past_padding(s, queries.shape[2])
+    assert relative_error(call.uncenter(out)[:, :, rows], want[:, :, rows]) < 1e-5
 
 
 def test_the_codebook_kernels_stay_out_of_the_way_off_cuda():

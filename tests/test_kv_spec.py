@@ -131,10 +131,13 @@ def test_items_the_parser_reads():
         ("center=k", r"center=k: a scheme needs bits= \(or a preset\)"),
         ("first=4 recent=8", r"a scheme needs bits= \(or a preset\)"),
         (
-            "bits=8 center=k",
+            "bits=8 center=k first=0",
             r"center= and qscale= .* need first=2 or more, got first=0",
         ),
-        ("codec=codebook bits=4 qscale=q", r"need first=2 or more, got first=0"),
+        (
+            "codec=codebook bits=4 qscale=q first=0",
+            r"need first=2 or more, got first=0",
+        ),
         ("bits=4 center=kv first=1", r"need first=2 or more, got first=1"),
         ("cq4 first=0", r"need first=2 or more, got first=0"),
     ],
@@ -306,21 +309,46 @@ def test_footprint_of_a_residual_over_its_cycle():
 
 
 def test_footprint_of_windows_counts_the_window():
-    spec = KVSpec.parse("bits=4")
+    spec = KVSpec.parse("bits=4")  # first=16
     window = LayerShape(1, 256, 256, window=512)
     whole = LayerShape(1, 256, 256)
-    assert spec.layer_bytes(window, 4096) == spec.layer_bytes(whole, 512)
+    # a sliding window's first tokens go once no query sees them: the pages
+    # hold the window's rows, as a layer of 512 tokens with none kept
+    unkept = KVSpec.parse("bits=4 first=0")
+    assert spec.layer_bytes(window, 4096) == unkept.layer_bytes(whole, 512)
     assert spec.layer_bytes(window, 100) == spec.layer_bytes(whole, 100)
     # a bounded layer keeps its sinks whatever first= says
-    spec = KVSpec.parse("bits=4 first=0")
     sinks = LayerShape(1, 256, 256, window=256, keep=4)
-    # (kept tokens are in the pages too: 16 bits more each)
-    extra = 4 * 2 * 256 * 16 / 8
-    assert spec.layer_bytes(sinks, 1000) == pytest.approx(
-        spec.layer_bytes(whole, 256) + extra
+    # (in the first span only: 16 bits each instead of 4.5 in the pages)
+    extra = 4 * 2 * 256 * (16 - 4.5) / 8
+    assert unkept.layer_bytes(sinks, 1000) == pytest.approx(
+        unkept.layer_bytes(whole, 256) + extra
     )
     # fp16: two bytes an element
     assert KVSpec.parse("fp16").layer_bytes(window, 4096) == 512 * 512 * 2
+
+
+@pytest.mark.parametrize("keep", [0, 4])
+def test_footprint_of_a_window_is_what_its_store_holds(keep):
+    """A bounded store, filled 8 tokens at a time: what it holds for its
+    tokens once it has dropped what the next query does not see (as the
+    next write does) equals the footprint while its window is not full, and
+    is within a page of 16 rows of it after (pages are dropped whole)."""
+    spec = KVSpec.parse("bits=4")  # first=16
+    shape = LayerShape(2, 64, 64, window=64, keep=keep)
+    store = KVStore(*spec.codecs(), first=16, window=64, keep=keep, page_size=16)
+    keys, values = random_kv(1, 2, 400, 64, seed=2)
+    keys, values = keys.astype(mx.bfloat16), values.astype(mx.bfloat16)
+    row_bytes = sum(c.bits_per_element(64) for c in spec.codecs()) * 2 * 64 / 8
+    for t in range(8, 401, 8):
+        store.update_and_fetch(keys[:, :, t - 8 : t], values[:, :, t - 8 : t])
+        store._drop(store._drop_to())
+        want = spec.layer_bytes(shape, t)
+        if t < 64:
+            assert used_bytes(store) == pytest.approx(want), t
+        else:
+            assert 0 <= used_bytes(store) - want <= 16 * row_bytes, t
+    assert (store.spans.first_keys is None) == (keep == 0)
 
 
 def test_bits_per_element_at_the_average_context():
@@ -333,11 +361,12 @@ def test_bits_per_element_at_the_average_context():
     assert bits("fp16") == 16
     assert bits("bits=8") == 8.5
     assert bits("bits=16") == 16
-    # 4.5 bits, and 16 tokens also kept at 16 bits; centering: a float32
-    # vector a head (its keys' 32 bits, over keys and values' 2 x 4096 rows)
-    assert bits("bits=4") == pytest.approx(4.5 + 16 * 16 / 4096)
+    # 4.5 bits, and 16 tokens at 16 bits instead (in the first span only);
+    # centering: a float32 vector a head (its keys' 32 bits, over keys and
+    # values' 2 x 4096 rows)
+    assert bits("bits=4") == pytest.approx(4.5 + 16 * (16 - 4.5) / 4096)
     assert bits("bits=4 center=k") == pytest.approx(
-        4.5 + 16 * 16 / 4096 + 32 / 4096 / 2
+        4.5 + 16 * (16 - 4.5) / 4096 + 32 / 4096 / 2
     )
     assert bits("codec=codebook bits=3") == pytest.approx(3 + 16 / 128)
     # layers with more bits cost theirs

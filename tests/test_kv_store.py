@@ -217,12 +217,78 @@ def test_first_tokens_lower_the_error():
     assert errors[1] < errors[0]
 
 
+def test_the_pages_begin_after_a_sequences_first_tokens():
+    """A KVStore's first tokens are in the first span only: its pages hold
+    rows ``first`` on (``dropped`` of them kept out), whatever the chunks;
+    a state says so, and attention reads the first span at rows -first to
+    -1 (nothing in the pages to hide)."""
+    keys, values = random_kv(1, 2, 30, 64, seed=4)
+    for cuts in ((30,), (3, 5, 8, 30), (20, 21, 30)):
+        s = KVStore(3, page_size=PAGE, first=8)
+        start = 0
+        for stop in cuts:
+            s.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])
+            assert s.dropped == min(stop, 8) and s._written == stop
+            start = stop
+        pages = s.keys_and_values()[0]
+        want = s.key_codec.encode(keys[:, :, 8:])
+        assert all(mx.array_equal(x, y) for x, y in zip(pages, want))
+        call_first = s._first(mx.zeros((1, 2, 1, 64)))
+        assert (call_first.first, call_first.count) == (-8, 8)
+        loaded = KVStore.from_state(s.state)
+        assert (loaded.dropped, loaded._written) == (8, 30)
+        same_storage(loaded, s)
+    # short of its first tokens: none in the pages
+    short = KVStore(3, page_size=PAGE, first=8)
+    short.update_and_fetch(keys[:, :, :5], values[:, :, :5])
+    assert (short.dropped, short._written, short.key_pages) == (5, 5, [])
+    queries = mx.random.normal((1, 4, 5, 64))
+    out = attend(short, queries, "causal")
+    assert (
+        relative_error(out, float_attention(queries, *stored(short), "causal")) < 1e-6
+    )
+    assert (
+        relative_error(
+            out, float_attention(queries, keys[:, :, :5], values[:, :, :5], "causal")
+        )
+        < 1e-4
+    )
+
+
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("cuts", [(20,), (5, 20), (8, 9, 20)])
+def test_a_mask_array_shows_the_first_tokens_as_causal_does(kind, cuts):
+    """Models that ask for mask arrays (``return_array=True``: gemma2,
+    deepseek_v3): the mask covers the rows the store attended before the
+    write (read right-aligned), not the first tokens before the pages; a
+    query sees those at or after its row, as with "causal"."""
+    keys, values = random_kv(1, 2, 20, 64, seed=6)
+    queries = mx.random.normal((1, 4, 20, 64))
+    stores = [KVStore(4, page_size=PAGE, first=8) for _ in range(2)]
+    start = 0
+    for stop in cuts:
+        outs = []
+        for s, array in zip(stores, (False, True)):
+            mask = s.make_mask(stop - start, return_array=array)
+            if mask is not None and array and kind == "additive":
+                mask = mx.where(mask, 0.0, -float("inf"))
+            s.update_and_fetch(keys[:, :, start:stop], values[:, :, start:stop])
+            outs.append(attend(s, queries[:, :, start:stop], mask))
+        assert relative_error(outs[1], outs[0]) < 1e-6, stop
+        start = stop
+
+
 def test_trim_below_the_first_tokens_then_write():
     keys, values = random_kv(1, 1, 30, 64, seed=3)
     s = KVStore(3, page_size=PAGE, first=8)
     s.update_and_fetch(keys[..., :20, :], values[..., :20, :])
+    # the first tokens kept out of the pages are no dropped rows: trimmable
+    assert s.dropped == 8 and s.is_trimmable()
     assert s.trim(15) == 15 and s.offset == 5
+    # into the first tokens: the pages hold none of the rows left
+    assert (s.dropped, s._written) == (5, 5)
     s.update_and_fetch(keys[..., 20:, :], values[..., 20:, :])
+    assert (s.dropped, s._written) == (8, 15)
     new_keys = mx.concatenate([keys[..., :5, :], keys[..., 20:, :]], axis=2)
     assert mx.array_equal(s.spans.first_keys, rotate(new_keys[..., :8, :], "hadamard"))
     queries = mx.random.normal((1, 2, 1, 64))
@@ -522,7 +588,9 @@ def test_a_read_before_attention_fixes_the_weights_with_the_queries_seen(read, s
     if not seen:
         assert (weights == 1).all().item()
         pages, want = s.keys_and_values()[0], plain.keys_and_values()[0]
-        assert all(mx.array_equal(x[:, :, :30], y) for x, y in zip(pages, want))
+        # rows 8 to 29: the pages begin after the first tokens
+        assert s.dropped == plain.dropped == 8
+        assert all(mx.array_equal(x[:, :, :22], y) for x, y in zip(pages, want))
     else:
         # the queries at positions 1 to 3: the first call's
         want = first_weights(keys, queries, seen, "q", "")
@@ -594,14 +662,38 @@ def run_gemma(model, tokens, caches, start=0):
     return mx.concatenate([model(tokens[:, a:b], cache=caches) for a, b in steps], 1)
 
 
+class WindowedFirst(KVStore):
+    """A store of every token whose first tokens a query sees within
+    ``sliding`` rows, as the model's windowed mask shows it the others: that
+    mask covers the pages only, and the first tokens are before them (a
+    store without a window reads them causally)."""
+
+    def __init__(self, sliding, **settings):
+        super().__init__(**settings)
+        self.sliding = sliding
+
+    def _first(self, queries):
+        first = super()._first(queries)
+        if first is None:
+            return None
+        rows = mx.arange(first.count)
+        q = mx.arange(self._idx - queries.shape[2], self._idx)[:, None]
+        visible = (rows <= q) & (q - rows < self.sliding)
+        return first._replace(mask=visible[None, None])
+
+
 def whole_context(caches):
     """Stores like ``caches`` that keep every token, in pages of the same
-    size: the same tiles, so the same sums."""
+    size (beginning after the same first tokens): the same tiles, so the
+    same sums."""
     out = []
     for c in caches:
         settings = {k: v for k, v in c.settings.items() if k not in ("window", "keep")}
         settings["first"] = c.spans.first
-        out.append(KVStore(**settings))
+        if c.window is None:
+            out.append(KVStore(**settings))
+        else:
+            out.append(WindowedFirst(c.window, **settings))
     return out
 
 
@@ -617,11 +709,14 @@ def test_sliding_layers_drop_pages_and_attend_as_before():
     out = run_gemma(model, tokens, caches)
     assert mx.array_equal(out, run_gemma(model, tokens, whole))
     for c, w in zip(caches[:2], whole):
-        assert (c.page_size, c.dropped, c.offset) == (16, 48, 70)
+        # the first 4 rows (the pages begin after them) and three pages of 16
+        assert (c.page_size, c.dropped, c.offset) == (16, 4 + 48, 70)
         assert c.capacity <= c.window + c.page_size
-        assert c.spans.first_keys is None  # the first tokens went with page 0
+        # the first tokens went once no query saw them
+        assert c.spans.first_keys is None
         assert c.nbytes < w.nbytes and not c.is_trimmable()
-    assert caches[2].capacity >= 70 and caches[2].dropped == 0
+    # a layer of every token: its pages begin after the first 4
+    assert caches[2].capacity >= 66 and caches[2].dropped == 4
 
 
 def test_the_mask_loses_the_dropped_columns():
@@ -649,6 +744,11 @@ def test_a_store_that_dropped_pages_trims_no_further():
     assert s.trim(100) == 76 - 16 and s.offset == 16
     s.update_and_fetch(k, k)
     assert s.offset == 36 and s._written == 36 and s.dropped == 16
+    # sinks kept out of the pages are no dropped rows: trimmed below them
+    sinks = KVStore(Codebook(4), window=32, keep=4, page_size=16)
+    sinks.update_and_fetch(k, k)
+    assert sinks.dropped == 4 and sinks.is_trimmable()
+    assert sinks.trim(18) == 18 and (sinks.offset, sinks.dropped) == (2, 2)
 
 
 def test_a_window_keeps_its_sinks():
@@ -668,7 +768,8 @@ def test_a_window_keeps_its_sinks():
             visible = (mx.arange(t + 1) < 4) | (mx.arange(t + 1) > t - 20)
             want = attend(whole, queries, visible)
             assert relative_error(attend(s, queries, mask), want) < 1e-5
-    assert s.dropped == 64 and s.spans.first_keys is not None
+    # the first 4 rows, in the first span only, and four pages of 16 after them
+    assert s.dropped == 4 + 64 and s.spans.first_keys is not None
 
 
 def test_lossless_stores_attend_as_the_models_own_caches():
@@ -691,7 +792,8 @@ def test_a_window_round_trips_through_its_state():
     caches = KVSpec.parse(SCHEME).make_cache(model)
     run_gemma(model, tokens[:, :50], caches)
     loaded = [type(c).from_state(c.state) for c in caches]
-    assert [(c.window, c.dropped, c.offset) for c in loaded[:2]] == [(16, 32, 50)] * 2
+    # the first 4 tokens (in the first span only) and a page of 16 after them
+    assert [(c.window, c.dropped, c.offset) for c in loaded[:2]] == [(16, 20, 50)] * 2
     more = tokens[:, 50:]
     assert mx.array_equal(model(more, cache=loaded), model(more, cache=caches))
 
@@ -1016,6 +1118,63 @@ def test_a_batch_keeps_a_residuals_held_tokens():
         assert relative_error(out[i : i + 1], want) < 1e-4
 
 
+@pytest.mark.parametrize(
+    "lengths,settings",
+    [
+        ((17, 3), {"first": 16}),
+        ((16, 40, 2), {"first": 16, "center": "kv"}),
+        # a residual: rows the batch holds that a store has in its first span
+        ((17, 12, 40), {"first": 8, "recent": 8}),
+        ((17, 12, 40), {"first": 8, "recent": 8, "center": "k", "key_scale": "q"}),
+    ],
+)
+def test_merged_stores_put_zeros_where_a_store_has_only_its_first_span(
+    lengths, settings
+):
+    """A batch's pages hold every row (a window's dropped ones aside): where
+    a store holds its first tokens in the first span only, zeros, which
+    attention hides (it reads the first span); rows the batch holds as
+    recent ones come from the first span. Lossless codecs: each sequence
+    attends as float32 attention over its keys and values as they came,
+    through decode steps; extracted, a sequence's store is laid out as it
+    was."""
+    keys, values = random_kv(len(lengths), 2, 60, 64, seed=7, offset=2)
+    stores = []
+    for i, n in enumerate(lengths):
+        s = KVStore(Plain(), Plain(), page_size=PAGE, **settings)
+        s.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+        attend(s, mx.random.normal((1, 4, n, 64)), "causal")
+        stores.append(s)
+    batch = KVStore.merge(stores)
+    assert batch.dropped == 0
+    longest = lengths.index(max(lengths))
+    assert mx.array_equal(
+        batch.extract(longest).spans.first_keys, stores[longest].spans.first_keys
+    )
+    for i, n in enumerate(lengths):
+        # (a residual's batch may hold rows its store had written)
+        single = batch.extract(i)
+        assert single.dropped == min(settings["first"], single._written)
+        assert single._written + single.spans.n_held == n
+    for t in range(4):
+        step = [
+            mx.concatenate(
+                [x[i : i + 1, :, n + t : n + t + 1] for i, n in enumerate(lengths)]
+            )
+            for x in (keys, values)
+        ]
+        queries = mx.random.normal((len(lengths), 4, 1, 64))
+        mask = batch.make_mask(1)
+        batch.update_and_fetch(*step)
+        out = attend(batch, queries, mask)
+        for i, n in enumerate(lengths):
+            rows = slice(0, n + t + 1)
+            want = float_attention(
+                queries[i : i + 1], keys[i : i + 1, :, rows], values[i : i + 1, :, rows]
+            )
+            assert relative_error(out[i : i + 1], want) < 1e-5, (t, i)
+
+
 def test_a_debiased_batch_attends_as_its_stores_alone():
     stores = singles([5, 37, 70], codecs=(Codebook(3, debias=True), 4))
     batch = KVStore.merge(stores)
@@ -1049,8 +1208,9 @@ def test_filter_and_extend_track_the_stores_alone():
         empty.extend(BatchKVStore([0], 3, 3))
 
 
+@pytest.mark.parametrize("codecs", [(3, 4), (Affine(4, 64, "hadamard"), Affine(8))])
 @pytest.mark.parametrize("n", [0, 3])
-def test_a_batch_tracks_mlx_lms_batch_cache(n):
+def test_a_batch_tracks_mlx_lms_batch_cache(n, codecs):
     """Fed the same keys and values, each sequence's first ``n`` as they
     came and the rest rounded through the codecs, a ``BatchKVCache`` attends
     as the batch store through prefill with right padding, decode, filter
@@ -1077,7 +1237,8 @@ def test_a_batch_tracks_mlx_lms_batch_cache(n):
         assert mx.array_equal(plain.offset, coded.offset)
 
     def pair(padding):
-        return BatchKVCache(padding), BatchKVStore(padding, 3, 4, page_size=8, first=n)
+        coded = BatchKVStore(padding, *codecs, page_size=8, first=n)
+        return BatchKVCache(padding), coded
 
     mx.random.seed(8)
     a = pair([2, 0, 5])
@@ -1231,11 +1392,12 @@ def windowed(lengths, window=24, seed=0):
 
 def test_windowed_batches_with_dropped_pages():
     stores = windowed([90, 30, 7])
-    assert [s.dropped for s in stores] == [56, 0, 0]
+    # the sinks (rows 0-3) in the first span only, then pages of 8 rows
+    assert [s.dropped for s in stores] == [4 + 56, 4, 4]
     batch = KVStore.merge(stores)
     # the rows none of its sequences holds: the first's dropped ones (the
     # others' padding covers them)
-    assert batch.window == 24 and batch.dropped == 56
+    assert batch.window == 24 and batch.dropped == 60
     assert batch.offset.tolist() == [90, 30, 7]
     assert batch.left_padding.tolist() == [0, 60, 83]
     for _ in range(3):

@@ -61,6 +61,22 @@ def _decode_applies(call) -> bool:
     )
 
 
+def first_tokens_visible(mask, length, count):
+    """A decode mask array over the pages' ``length`` rows and the held ones
+    with ``count`` visible columns between them: first tokens the pages do
+    not hold, held ahead of the decode tokens (the query is after them)."""
+    if mask is None or isinstance(mask, str):
+        return mask
+    while mask.ndim < 4:
+        mask = mask[None]
+    shape = (*mask.shape[:3], count)
+    if mask.dtype == mx.bool_:
+        visible = mx.ones(shape, mx.bool_)
+    else:
+        visible = mx.zeros(shape, mask.dtype)
+    return mx.concatenate([mask[..., :length], visible, mask[..., length:]], axis=-1)
+
+
 def _decode(call):
     held, mask = _held(call), call.mask
     first = call.first
@@ -78,6 +94,7 @@ def _decode(call):
             keys = mx.concatenate([keys, held[0][:, :, : held[2]]], axis=2)
             values = mx.concatenate([values, held[1][:, :, : held[2]]], axis=2)
         held = (keys, values, keys.shape[2])
+        mask = first_tokens_visible(mask, call.length, first.count)
     elif first is not None:
         B = call.queries.shape[0]
         held, mask = affine_decode.first_as_held(
@@ -146,7 +163,21 @@ def _prefill(call):
 
 
 def _codebook_applies(call) -> bool:
-    return bool(call.key_pages) and (call.first is None or call.first.mask is None)
+    first = call.first
+    if first is not None and first.mask is not None:
+        return False
+    if (
+        first is not None
+        and call.queries.shape[2] == 1
+        and isinstance(call.mask, mx.array)
+        and isinstance(first.first, int)
+        and first.first < 0
+    ):
+        # the decode kernel reads the first tokens' visibility from the mask
+        # at their rows: none for a sequence's before the pages (a batch's
+        # pages hold every row a window did not drop)
+        return False
+    return bool(call.key_pages)
 
 
 def _codebook(call):

@@ -494,6 +494,7 @@ def decodes(
     value_head_dim = value_pages[0][0].shape[-1] * 32 // value_bits
     n_keys = length + (held[2] if held else 0)
     if exact is not None and isinstance(exact[2], int):
+        # (a batch's first tokens, one row per sequence, are not taken)
         n_keys += min(exact[3], max(-exact[2], 0))
     return (
         L > 1

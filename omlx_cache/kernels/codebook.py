@@ -1398,6 +1398,22 @@ def _blocked_attention(queries, keys, values, scale, mask):
     return mx.concatenate(outs, axis=2)
 
 
+def _with_rows_before(mask, first, before, length, L):
+    """A mask array over ``length`` stored keys with columns in front for
+    the ``before`` kept tokens at rows ``first`` on (negative: the pages do
+    not hold them), seen by the queries (the last ``L`` of the keys) at or
+    after their rows."""
+    while mask.ndim < 4:
+        mask = mask[None]
+    mask = mx.broadcast_to(mask, (*mask.shape[:2], L, mask.shape[-1]))
+    rows = first + mx.arange(before)
+    front = rows[None] <= mx.arange(length - L, length)[:, None]
+    if mask.dtype != mx.bool_:
+        front = mx.where(front, 0, -float("inf")).astype(mask.dtype)
+    front = mx.broadcast_to(front, (*mask.shape[:3], before))
+    return mx.concatenate([front, mask], axis=-1)
+
+
 def prefill_attention(
     queries,
     key_pages,
@@ -1438,13 +1454,16 @@ def prefill_attention(
             (values, kept_values, value_codec),
         ):
             rows = rotate(rows[:, :, :count], c.rotation, inverse=True).astype(dtype)
-            if count > before:
-                start = max(first, 0)
-                x[:, :, start : start + count - before] = rows[:, :, before:]
+            start = max(first, 0)
+            n = min(count - before, length - start)
+            if n > 0:
+                x[:, :, start : start + n] = rows[:, :, before : before + n]
             decoded.append(
                 mx.concatenate([rows[:, :, :before], x], axis=2) if before else x
             )
         keys, values = decoded
+        if before and isinstance(mask, mx.array):
+            mask = _with_rows_before(mask, first, before, length, queries.shape[2])
     attend = _blocked_attention
     if _fused(D, dtype):
         attend = mx.fast.scaled_dot_product_attention

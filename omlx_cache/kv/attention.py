@@ -233,21 +233,23 @@ def tile_mask(mask, start, new, stop, length, L, n_q_heads, n_kv_heads, end):
 def positions_mask(mask, positions, length, L, n_q_heads, n_kv_heads, end):
     """The mask of the keys at ``positions`` ((n,) or (B, n)) for the folded
     queries (the last ``L`` of ``end`` keys), or None when all are visible;
-    positions from ``length`` on are masked."""
+    positions from ``length`` on are masked. Negative positions (first tokens
+    the pages do not hold, before the mask's columns) are seen by the queries
+    at or after them."""
     n_repeats = n_q_heads // n_kv_heads
     valid = positions < length
+    causal = positions[..., None, :] <= mx.arange(end - L, end)[:, None]
     if positions.ndim == 2:
         valid = valid[:, None, None]
+        causal = causal[:, None]
     if isinstance(mask, str):
-        visible = positions[..., None, :] <= mx.arange(end - L, end)[:, None]
-        if positions.ndim == 2:
-            visible = visible[:, None]
-        return mx.tile(visible & valid, (n_repeats, 1))
+        return mx.tile(causal & valid, (n_repeats, 1))
     if mask is None:
         return valid
     while mask.ndim < 4:
         mask = mask[None]
-    index = mx.minimum(positions, mask.shape[-1] - 1)
+    # (a negative index would wrap to the last columns)
+    index = mx.clip(positions, 0, mask.shape[-1] - 1)
     if positions.ndim == 2:
         B = positions.shape[0]
         mask = mx.broadcast_to(mask, (B, *mask.shape[1:]))
@@ -255,6 +257,12 @@ def positions_mask(mask, positions, length, L, n_q_heads, n_kv_heads, end):
         mask = mx.take_along_axis(mask, index, axis=-1)
     else:
         mask = mx.take(mask, index, axis=-1)
+    before = positions < 0
+    if positions.ndim == 2:
+        before = before[:, None, None]
+    if mask.dtype != mx.bool_:
+        causal = mx.where(causal, 0, -float("inf")).astype(mask.dtype)
+    mask = mx.where(before, causal, mask)
     return _fit_heads(_and_valid(mask, valid), L, mask.shape[-1], n_q_heads, n_kv_heads)
 
 

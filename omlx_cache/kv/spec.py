@@ -23,8 +23,9 @@ The items (``K,V``: keys and values apart; one value: both):
   when a part has fewer than 8 bits, else none (codebooks always rotate).
 - ``center=k|kv|none``, ``qscale=qk|q|none``: the transform (``transform``);
   default none.
-- ``first=N``: each sequence's first N tokens also kept unquantized (and what
-  ``center`` and ``qscale`` are measured on: 2 or more with them). Default: 16
+- ``first=N``: each sequence's first N tokens kept unquantized, a sequence's
+  pages beginning after them (and what ``center`` and ``qscale`` are
+  measured on: 2 or more with them). Default: 16
   when an affine part has fewer than 8 bits, else 8 with ``center`` or
   ``qscale``, else 0.
 - ``recent=R``: the last R to 2R - 1 tokens held unquantized (a multiple of 8).
@@ -287,24 +288,34 @@ class KVSpec:
 
     def layer_bytes(self, shape, tokens: int, layer: int = 0) -> float:
         """Bytes one layer of ``shape`` (``LayerShape``) holds for a sequence
-        of ``tokens`` tokens: pages (scales and norms included), the first
-        tokens also kept, the recent ones held unquantized (on average over
-        a residual's cycle), and the transform's float32 vectors."""
+        of ``tokens`` tokens: the first tokens unquantized (in the first span
+        only, allocated whole; the pages begin after them), the pages (scales
+        and norms included), the recent ones held unquantized (on average
+        over a residual's cycle; the first of them also in the first span),
+        and the transform's float32 vectors. A bounded layer's pages hold the
+        rows the next query sees besides its sinks (whole pages aside); a
+        sliding window (keep 0) lets its first tokens go once it sees none."""
         heads, dims = shape.kv_heads, (shape.key_dim, shape.value_dim)
-        if shape.window is not None:
-            tokens = min(tokens, shape.window)
         if self.bits is None:
+            if shape.window is not None:
+                tokens = min(tokens, shape.window)
             return tokens * heads * sum(dims) * SCALE_BITS / 8
         codecs = self.more_codecs() if layer in self.layers else self.codecs()
         held = _mean_held(self.recent if shape.window is None else 0, tokens)
-        # the first tokens are kept from the start, held ones too
-        first = min(self.first_tokens, tokens)
-        if shape.window is not None:
-            first = max(first, shape.keep)
+        # the first span is allocated whole at the first write
+        first = self.first_tokens if tokens else 0
+        if shape.window is None:
+            # rows written to the pages, the first tokens skipped
+            paged = max(tokens - held - first, 0)
+        else:
+            first = max(first, shape.keep) if tokens else 0
+            paged = max(min(tokens - first, shape.window - shape.keep), 0)
+            if not shape.keep and tokens - shape.window + 1 >= first:
+                first = 0  # the sliding window's first span went
         bits = 0.0
         for c, dim in zip(codecs, dims):
             bits += (
-                (tokens - held) * c.bits_per_element(dim) + (held + first) * SCALE_BITS
+                paged * c.bits_per_element(dim) + (held + first) * SCALE_BITS
             ) * dim
         vectors = (self.center != "") + (self.center == "kv") + (self.key_scale != "")
         return heads * (bits / 8 + vectors * 4 * dims[0])

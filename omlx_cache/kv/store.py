@@ -499,9 +499,21 @@ class KVStore:
         none."""
         n_held = self.spans.n_held
         from_pages = min(count - n_held, self._written - self.dropped)
-        if count <= 0 or (n_held == 0 and from_pages <= 0):
+        # rows before the pages: first tokens a sequence holds in its first
+        # span only
+        before = self._first_skip() if self.dropped == self._first_skip() else 0
+        from_first = min(count - n_held - max(from_pages, 0), before)
+        if count <= 0 or (n_held == 0 and from_pages <= 0 and from_first <= 0):
             return None
         parts = []
+        if from_first > 0:
+            rows = slice(self.dropped - from_first, self.dropped)
+            parts.append(
+                tuple(
+                    x[:, :, rows].astype(dtype)
+                    for x in (self.spans.first_keys, self.spans.first_values)
+                )
+            )
         if from_pages > 0:
             keys, values = self.keys_and_values()
             rows = slice(keys[0].shape[2] - from_pages, None)
@@ -532,12 +544,26 @@ class KVStore:
     def size(self):
         return self._idx
 
+    def _first_skip(self) -> int:
+        """Rows of the first tokens the pages do not hold (a sequence's are
+        in its first span only; a batch writes every row to its pages)."""
+        return 0 if self._is_batch() else min(self.spans.first, self._written)
+
+    def _window_dropped(self) -> bool:
+        """Whether a window dropped rows no query sees: pages, or a sliding
+        window's first span."""
+        if self.window is None:
+            return False
+        gone = self.spans.first and self._written and self.spans.first_keys is None
+        return self.dropped > self._first_skip() or bool(gone)
+
     def is_trimmable(self):
-        return not self.dropped
+        return not self._window_dropped()
 
     def trim(self, n):
-        # rows a window dropped are gone: trimmed no further
-        n = min(self._idx - (0 if self.window is None else self.dropped), n)
+        # rows a window dropped are gone: trimmed no further (the first
+        # tokens the pages skip are in the first span)
+        n = min(self._idx - (self.dropped if self._window_dropped() else 0), n)
         self._flush_pending()
         if self.spans.recent:
             held = self.spans.trim_held(n)
@@ -910,16 +936,18 @@ class BatchKVStore(KVStore):
         settings = self.settings
         store = KVStore(**settings)
         padding = self.left_padding.tolist()[idx]
-        skip = max(padding - self.dropped, 0)
+        n = self._idx - padding
+        store.offset = store._idx = n
+        store._written = self._written - padding
+        # as a sequence's store lays its rows out: its first tokens in the
+        # first span only, the pages after them
+        store.dropped = max(self.dropped - padding, store._first_skip(), 0)
+        skip = store.dropped + padding - self.dropped
         keys, values = self.keys_and_values()
         store.key_pages, store.value_pages = (
             [tuple(mx.contiguous(x[idx : idx + 1, :, skip:]) for x in stored)]
             for stored in (keys, values)
         )
-        n = self._idx - padding
-        store.offset = store._idx = n
-        store.dropped = max(self.dropped - padding, 0)
-        store._written = self._written - padding
         spans = self.spans
         if spans.n_held:
             store.spans.held_keys = mx.contiguous(spans.held_keys[idx : idx + 1])
@@ -968,8 +996,16 @@ def _combine(batch, stores):
     pads = [idx - c._idx for c in stores]
     full = [c for c in stores if c._idx]
     written = min((c._written + p for c, p in zip(stores, pads) if c._idx), default=idx)
+    # a sequence's first tokens that its store holds in the first span only
+    # are zeros in the batch's pages (a batch's pages hold every row but
+    # those a window dropped; attention reads the first span instead)
     dropped = min(
-        (c.dropped + p for c, p in zip(stores, pads) if c._written), default=0
+        (
+            c.dropped + p - (0 if c.window is not None else c._first_skip())
+            for c, p in zip(stores, pads)
+            if c._written
+        ),
+        default=0,
     )
     left = [
         c.left_padding + p if isinstance(c.left_padding, mx.array) else mx.array([p])
@@ -982,7 +1018,16 @@ def _combine(batch, stores):
     pages = [c._page_rows(dropped, written, p) for c, p in zip(stores, pads)]
     like = None
     if written > dropped:
-        like = next(c for c in full if c._written > c.dropped).keys_and_values()
+        source = next((c for c in full if c._written > c.dropped), None)
+        if source is not None:
+            like = source.keys_and_values()
+        else:
+            # every store holds its rows in the first span only: zeros
+            source = next(c for c in full if c.spans.first_keys is not None)
+            like = (
+                batch.key_codec.empty_page(source.spans.first_keys, 1),
+                batch.value_codec.empty_page(source.spans.first_values, 1),
+            )
     batch.left_padding = mx.concatenate(left)
     batch.offset = mx.concatenate(
         [

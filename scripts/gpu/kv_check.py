@@ -109,36 +109,42 @@ def noisy_tail(store, scale=50.0):
 
 def stored(store):
     """The keys and values a store's attention reads, in float32, as the
-    model gave them: the pages decoded, the first tokens as kept, the held
-    tokens as held, rotated back, unweighted and uncentered."""
+    model gave them: a sequence's first tokens the pages do not hold (a
+    KVStore's pages begin after them) as kept, the pages decoded (a batch's
+    first tokens as kept), the held tokens as held, rotated back, unweighted
+    and uncentered."""
     kc, vc = store.key_codec, store.value_codec
     spans = store.spans
     store._flush_pending()
     spans.land(store._prepare_held)
     length = store._written - store.dropped
     parts = []
-    for codec, pages, held in (
-        (kc, store.key_pages, spans.held_keys),
-        (vc, store.value_pages, spans.held_values),
+    for codec, pages, held, first in (
+        (kc, store.key_pages, spans.held_keys, spans.first_keys),
+        (vc, store.value_pages, spans.held_values, spans.first_values),
     ):
         decoded = [codec.decode(page, mx.float32) for page in pages]
         if decoded:
             parts.append(mx.concatenate(decoded, axis=2)[:, :, :length])
-        else:
-            parts.append(held[:, :, :0].astype(mx.float32))
+        else:  # no page rows: every token held, or in the first span
+            like = held if held is not None else first
+            parts.append(like[:, :, :0].astype(mx.float32))
     keys, values = parts
-    if spans.first_keys is not None:
-        padding = store.left_padding_array().tolist()
-        # a KVStore's sequences (any batch size) all start at row 0
-        rows = [slice(i, i + 1) for i in range(len(padding))]
-        if len(padding) == 1:
-            rows = [slice(None)]
-        for i, pad in zip(rows, padding):
+    if spans.first_keys is not None and store._is_batch():
+        # each sequence's first tokens at rows left_padding[i] on
+        for i, pad in enumerate(store.left_padding_array().tolist()):
             lo = pad - store.dropped
             n = min(spans.first, length - lo)
             if lo >= 0 and n > 0:
                 keys[i, :, lo : lo + n] = spans.first_keys[i, :, :n]
                 values[i, :, lo : lo + n] = spans.first_values[i, :, :n]
+    elif spans.first_keys is not None:
+        # (any batch size) rows 0 to first - 1, in the first span only
+        n = min(spans.first, store.dropped)
+        keys, values = (
+            mx.concatenate([x[:, :, :n].astype(mx.float32), y], axis=2)
+            for x, y in ((spans.first_keys, keys), (spans.first_values, values))
+        )
     if spans.n_held:
         held = [
             x[:, :, : spans.n_held].astype(mx.float32)
