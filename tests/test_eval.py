@@ -78,7 +78,8 @@ def test_token_counts_and_bits(results):
     # everything a 4,096-token sequence stores, as a 16-bit model stores it:
     # 8,4 (rotated) keeps its first 16 tokens too
     assert r["8"]["bits_per_element"] == 8.5
-    assert r["8,4"]["bits_per_element"] == 6.5 + 16 * 16 / 4096
+    # (the first tokens cost 16 bits instead of their quantized copy's)
+    assert r["8,4"]["bits_per_element"] == 6.5 + 16 * (16 - 6.5) / 4096
     assert r["8,4"]["spec"] == "bits=8,4" and r["8,4"]["kept_tokens"] == 16
     # 2 layers x 2 kv heads x 64 dims, keys and values, 16 bits
     assert results[0]["cache_bytes_per_token"] == 2 * 2 * 64 * 2 * 2
@@ -181,7 +182,7 @@ def test_main_writes_json(tmp_path, model, capsys):
     capsys.readouterr()
     kv_eval.main(["--table", str(out)])
     short = capsys.readouterr().out
-    assert "| fp16 | 16.000 | ref (PPL" in short and "| 4 | 4.562 | " in short
+    assert "| fp16 | 16.000 | ref (PPL" in short and "| 4 | 4.545 | " in short
 
 
 def test_kept_tokens_and_bounded_context(model, windows):
@@ -190,10 +191,10 @@ def test_kept_tokens_and_bounded_context(model, windows):
     # the kept tokens make the 4-bit cache closer to fp16
     assert r["bits=4 first=4"]["kld"] < r["bits=4 first=0"]["kld"]
     assert r["bits=4 first=4"]["kept_tokens"] == 4
-    assert r["bits=4 first=4"]["bits_per_element"] == 4.5 + 16 * 4 / 4096
-    # the kept tokens cost 16 bits besides their copy: 4 tokens of 2 layers x
-    # 2 kv heads x 64 dims, keys and values, spread over the window's 95 tokens
-    kept = 4 * 2 * 2 * 64 * 2 * 2 / 95
+    assert r["bits=4 first=4"]["bits_per_element"] == 4.5 + 4 * (16 - 4.5) / 4096
+    # the kept tokens cost 16 bits instead of 4.5: 4 tokens of 2 layers x 2 kv
+    # heads x 64 dims, keys and values, spread over the window's 95 tokens
+    kept = 4 * 2 * 2 * 64 * 2 * (16 - 4.5) / 8 / 95
     extra = (
         r["bits=4 first=4"]["cache_bytes_per_token"]
         - r["bits=4 first=0"]["cache_bytes_per_token"]
