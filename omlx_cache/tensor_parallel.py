@@ -441,7 +441,8 @@ def kv_bytes_per_rank(
         # vectors (means, key weights), one per head
         unquantized = spec.first_tokens + held
         per_layer += unquantized * bytes_per_token("fp16", shape, heads)
-        vectors = len(spec.center) + bool(spec.key_scale)
+        center, key_scale = spec.transform
+        vectors = len(center) + bool(key_scale)
         per_layer += vectors * heads * shape.head_dim * 4
     return shape.layers * per_layer
 
@@ -466,6 +467,9 @@ def built_kv_bytes(name: str, shape: Shape, slots: int, ranks: int = 1) -> int:
             cache.reserve = slots
         x = mx.zeros((1, heads, tokens, shape.head_dim), dtype)
         cache.update_and_fetch(x, x)
+        if not spec.is_reference:
+            # a write that fixes a transform waits for the queries
+            cache.scaled_dot_product_attention(x, x, x, 1.0, "causal")
         total += cache.nbytes
     return total
 

@@ -65,7 +65,8 @@ KINDS = {
     # and 32, a 72-token residual (held tokens over several blocks)
     "q4": spec_cache("q4"),
     "center=kv": spec_cache("bits=4 center=kv qscale=q"),
-    # bounded layers that have dropped nothing yet (bits=4: 16 first tokens,
+    "bits=4 first=16": spec_cache("bits=4 center=none qscale=none"),
+    # bounded layers that have dropped nothing yet (bits=4: 32 first tokens,
     # 4 of them sinks, in the first span only)
     "fp16 rotating": spec_cache("fp16", 512),
     "bits=8 window": spec_cache("bits=8", 512),
@@ -149,7 +150,7 @@ def test_a_prefix_restored_shorter_than_the_first_tokens(model, tokens, tmp_path
     the first span's (stored encoded, so the pages' rows run from row 0) and
     a prefix of one block restores a store of 8 tokens with none in its
     pages; the model goes on from it as from the stored cache trimmed."""
-    cache = stored(model, tokens, "bits=4", 100)
+    cache = stored(model, tokens, "bits=4 first=16", 100)
     assert cache[0].dropped == 16
     t = DiskPromptCache(tmp_path, block_tokens=8)
     t.insert(MODEL, tokens[:100], cache)

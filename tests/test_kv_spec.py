@@ -68,12 +68,12 @@ def test_fp16_is_the_models_own_cache(text):
     assert spec.is_reference and spec.text == "fp16" and spec == KVSpec()
 
 
-@pytest.mark.parametrize("text", ["4", "8,4", "8,4 center=k"])
-def test_a_lone_number_is_bits(text):
+@pytest.mark.parametrize("text,first", [("4", 32), ("8,4", 16), ("8,4 center=k", 32)])
+def test_a_lone_number_is_bits(text, first):
     # as --kv-bits takes them
     spec = KVSpec.parse(text)
     assert spec == KVSpec.parse(f"bits={text}") and str(spec) == text
-    assert spec.text == f"bits={text}" and spec.first_tokens == 16
+    assert spec.text == f"bits={text}" and spec.first_tokens == first
 
 
 def test_items_the_parser_reads():
@@ -156,10 +156,11 @@ def test_a_bad_item_is_named(text, match):
     [
         ("bits=8", (False, False), 0),
         ("bits=16", (False, False), 0),
-        ("bits=4", (True, True), 16),
+        ("bits=4", (True, True), 32),
+        ("bits=4 center=none qscale=none", (True, True), 16),
         ("bits=8,4", (True, True), 16),
         ("bits=16,4", (True, True), 16),
-        ("bits=4 rotate=none", (False, False), 16),
+        ("bits=4 rotate=none", (False, False), 32),
         ("bits=4 rotate=v first=2", (False, True), 2),
         ("bits=8 first=4", (False, False), 4),
     ],
@@ -181,8 +182,10 @@ def test_rotation_and_first_tokens_when_a_part_has_fewer_than_8_bits(
 def test_codebooks_rotate_and_keep_no_first_tokens_by_default():
     spec = KVSpec.parse("codec=codebook bits=3,4")
     assert spec.codecs() == (Codebook(3), Codebook(4)) and spec.first_tokens == 0
-    # a codebook part keeps none either; first= says otherwise
-    assert KVSpec.parse("codec=affine,codebook bits=4,3").first_tokens == 0
+    # a codebook part keeps none either (affine keys under 8 bits: their
+    # transform's 32); first= says otherwise
+    assert KVSpec.parse("codec=codebook,affine bits=3,4").first_tokens == 0
+    assert KVSpec.parse("codec=affine,codebook bits=4,3").first_tokens == 32
     assert KVSpec.parse("codec=codebook bits=3 first=8").first_tokens == 8
     assert KVSpec.parse("codec=codebook bits=3 rotate=none").codecs()[0] == Codebook(
         3, "none"
@@ -309,7 +312,7 @@ def test_footprint_of_a_residual_over_its_cycle():
 
 
 def test_footprint_of_windows_counts_the_window():
-    spec = KVSpec.parse("bits=4")  # first=16
+    spec = KVSpec.parse("bits=4 center=none qscale=none")  # first=16
     window = LayerShape(1, 256, 256, window=512)
     whole = LayerShape(1, 256, 256)
     # a sliding window's first tokens go once no query sees them: the pages
@@ -334,7 +337,7 @@ def test_footprint_of_a_window_is_what_its_store_holds(keep):
     tokens once it has dropped what the next query does not see (as the
     next write does) equals the footprint while its window is not full, and
     is within a page of 16 rows of it after (pages are dropped whole)."""
-    spec = KVSpec.parse("bits=4")  # first=16
+    spec = KVSpec.parse("bits=4 center=none qscale=none")  # first=16
     shape = LayerShape(2, 64, 64, window=64, keep=keep)
     store = KVStore(*spec.codecs(), first=16, window=64, keep=keep, page_size=16)
     keys, values = random_kv(1, 2, 400, 64, seed=2)
@@ -364,10 +367,13 @@ def test_bits_per_element_at_the_average_context():
     # 4.5 bits, and 16 tokens at 16 bits instead (in the first span only);
     # centering: a float32 vector a head (its keys' 32 bits, over keys and
     # values' 2 x 4096 rows)
-    assert bits("bits=4") == pytest.approx(4.5 + 16 * (16 - 4.5) / 4096)
-    assert bits("bits=4 center=k") == pytest.approx(
+    plain = "center=none qscale=none"
+    assert bits(f"bits=4 {plain}") == pytest.approx(4.5 + 16 * (16 - 4.5) / 4096)
+    assert bits("bits=4 center=k qscale=none first=16") == pytest.approx(
         4.5 + 16 * (16 - 4.5) / 4096 + 32 / 4096 / 2
     )
+    # by default: 32 first tokens, keys centered and weighted (two vectors)
+    assert bits("bits=4") == pytest.approx(4.5 + 32 * (16 - 4.5) / 4096 + 32 / 4096)
     assert bits("codec=codebook bits=3") == pytest.approx(3 + 16 / 128)
     # layers with more bits cost theirs
     assert bits("codec=codebook bits=3 more=k5 layers=0,1") == pytest.approx(

@@ -6,7 +6,8 @@ A scheme is ``fp16`` (the model's own caches), a preset name, or items
 ``name=value`` separated by spaces (a preset may come first and the items
 after it change it)::
 
-    bits=4                       affine 4-bit keys and values (rotated, first 16 kept)
+    bits=4                       affine 4-bit keys and values (rotated, keys
+                                 centered and weighted, first 32 kept)
     bits=8,4 group=64,32         keys 8-bit in groups of 64, values 4-bit in groups of 32
     bits=4 rotate=none first=0   mlx-lm's plain affine 4-bit
     8,4                          a lone number (pair) is bits=
@@ -22,12 +23,12 @@ The items (``K,V``: keys and values apart; one value: both):
 - ``rotate=kv|k|v|none``: Hadamard rotation before quantizing. Default: kv
   when a part has fewer than 8 bits, else none (codebooks always rotate).
 - ``center=k|kv|none``, ``qscale=qk|q|none``: the transform (``transform``);
-  default none.
+  default k and qk for affine keys under 8 bits (unless ``first`` is set
+  under 2), else none.
 - ``first=N``: each sequence's first N tokens kept unquantized, a sequence's
   pages beginning after them (and what ``center`` and ``qscale`` are
-  measured on: 2 or more with them). Default: 16
-  when an affine part has fewer than 8 bits, else 8 with ``center`` or
-  ``qscale``, else 0.
+  measured on: 2 or more with them). Default: 32 with ``center`` or
+  ``qscale``, else 16 when an affine part has fewer than 8 bits, else 0.
 - ``recent=R``: the last R to 2R - 1 tokens held unquantized (a multiple of 8).
 - ``debias=X``: codebook keys' score correction, X times the expected one.
 - ``more=kB|vB|kvB`` with ``layers=L,L,...`` or ``fit=X``: those layers'
@@ -46,11 +47,11 @@ from .transform import CENTERS, KEY_SCALES
 
 PRESETS = {
     # 4.6 bits: 4-bit codebook keys and values, keys centered and weighted by
-    # the queries, the first 8 tokens kept, 5-bit keys in the layers a model's
-    # profile ranks first within 4.6 bits per element
-    "cq4": "codec=codebook bits=4 center=k qscale=qk first=8 more=k5 fit=4.6",
-    # 4.57 bits: affine 4-bit, rotated, keys centered and weighted, 16 kept
-    "q4-recall": "bits=4 center=k qscale=qk first=16",
+    # the queries, the first 32 tokens kept, 5-bit keys in the layers a
+    # model's profile ranks first within 4.6 bits per element
+    "cq4": "codec=codebook bits=4 center=k qscale=qk first=32 more=k5 fit=4.6",
+    # 4.6 bits: what bits=4 is by default, by name
+    "q4-recall": "bits=4 center=k qscale=qk first=32",
     # 4.6 bits: 4-bit keys and 3-bit values in groups of 32, a 72-token residual
     "q4": "bits=4,3 group=64,32 center=k qscale=qk first=8 recent=72",
 }
@@ -90,8 +91,8 @@ class KVSpec:
     codec: tuple = ("affine", "affine")
     group: tuple = (64, 64)
     rotate: str | None = None  # None: the default for the bits
-    center: str = ""
-    key_scale: str = ""
+    center: str | None = None  # None: the default for the bits
+    key_scale: str | None = None
     first: int | None = None  # None: the default for the bits
     recent: int = 0
     debias: float = 0.0
@@ -141,10 +142,10 @@ class KVSpec:
             items.append(f"group={pair(self.group)}")
         if self.rotate is not None:
             items.append(f"rotate={self.rotate}")
-        if self.center:
-            items.append(f"center={self.center}")
-        if self.key_scale:
-            items.append(f"qscale={self.key_scale}")
+        if self.center is not None:
+            items.append(f"center={self.center or 'none'}")
+        if self.key_scale is not None:
+            items.append(f"qscale={self.key_scale or 'none'}")
         if self.first is not None:
             items.append(f"first={self.first}")
         if self.recent:
@@ -176,7 +177,7 @@ class KVSpec:
                 )
             return
         self.codecs()
-        if (self.center or self.key_scale) and self.first_tokens < 2:
+        if any(self.transform) and self.first_tokens < 2:
             # what a store refuses, said when the scheme is read
             raise ValueError(
                 "center= and qscale= are measured on each sequence's first "
@@ -203,13 +204,26 @@ class KVSpec:
         return (low, low)
 
     @property
+    def transform(self) -> tuple:
+        """(center, key_scale) as the stores take them: by default keys
+        centered and weighted by the queries where they are affine under 8
+        bits and first tokens are kept (``first`` not set under 2)."""
+        on = self.codec[0] == "affine" and self.bits[0] < 8
+        on = on and (self.first is None or self.first >= 2)
+        default = ("k", "qk") if on else ("", "")
+        given = (self.center, self.key_scale)
+        return tuple(d if g is None else g for g, d in zip(given, default))
+
+    @property
     def first_tokens(self) -> int:
         if self.first is not None:
             return self.first
+        # centering and key weights are measured on the first tokens
+        if any(self.transform):
+            return 32
         if min(self.bits) < 8 and "codebook" not in self.codec:
             return 16
-        # centering and key weights are measured on the first tokens
-        return 8 if self.center or self.key_scale else 0
+        return 0
 
     def _codec(self, i: int, bits: int):
         if bits == 16:
@@ -239,8 +253,8 @@ class KVSpec:
     def settings(self) -> dict:
         """What every layer's store takes besides its codecs."""
         return {
-            "center": self.center,
-            "key_scale": self.key_scale,
+            "center": self.transform[0],
+            "key_scale": self.transform[1],
             "first": self.first_tokens,
             "recent": self.recent,
         }
@@ -317,7 +331,8 @@ class KVSpec:
             bits += (
                 paged * c.bits_per_element(dim) + (held + first) * SCALE_BITS
             ) * dim
-        vectors = (self.center != "") + (self.center == "kv") + (self.key_scale != "")
+        center, key_scale = self.transform
+        vectors = (center != "") + (center == "kv") + (key_scale != "")
         return heads * (bits / 8 + vectors * 4 * dims[0])
 
     def footprint(self, shapes, context: int) -> dict:
