@@ -197,8 +197,7 @@ def test_kept_tokens_and_bounded_context(model, windows):
     # heads x 64 dims, keys and values, spread over the window's 95 tokens
     kept = 4 * 2 * 2 * 64 * 2 * (16 - 4.5) / 8 / 95
     extra = (
-        r[kept4]["cache_bytes_per_token"]
-        - r["bits=4 first=0"]["cache_bytes_per_token"]
+        r[kept4]["cache_bytes_per_token"] - r["bits=4 first=0"]["cache_bytes_per_token"]
     )
     assert extra == pytest.approx(kept)
     # a bounded context, fp16's too: every layer holds at most 32 tokens. Our

@@ -1442,7 +1442,14 @@ def test_batch_generator_matches_single_generation(model):
 # ---------------------------------------------------------------------------
 # Chunked prefill on the real SmolLM2 (float32)
 
-SCHEMES = ["cq4", "q4", "q4-recall", "bits=8", "bits=4 center=none qscale=none", "bits=8,4"]
+SCHEMES = [
+    "cq4",
+    "q4",
+    "q4-recall",
+    "bits=8",
+    "bits=4 center=none qscale=none",
+    "bits=8,4",
+]
 # schemes with a transform (centering, key weights): fixed from the first
 # tokens and the queries at their positions, summed call by call
 TRANSFORMED = ("cq4", "q4", "q4-recall")
