@@ -65,14 +65,14 @@ def spec_from_args(args) -> KVSpec:
 def describe(spec: KVSpec, model, max_kv_size=None) -> str:
     """One line: the layers quantized, bits per element, bytes per token."""
     shapes = layer_shapes(model, max_kv_size)
-    caches = spec.make_cache(model, max_kv_size)
-    quantized = sum(type(c).__name__ == "KVStore" for c in caches)
+    quantized = spec.quantized_layers(shapes)
     footprint = spec.footprint(shapes, AVERAGE_CONTEXT)
-    return (
-        f"omlx_cache: KV cache {spec.text}: {quantized} of {len(caches)} layers "
+    line = (
+        f"omlx_cache: KV cache {spec.text}: {quantized} of {len(shapes)} layers "
         f"quantized, {footprint['bits_per_element']:.2f} bits per element, "
         f"{footprint['bytes_per_token']:,.0f} bytes per token at {AVERAGE_CONTEXT} tokens"
     )
+    return "\n".join([line, *(f"omlx_cache: {n}" for n in spec.fitted_dims(shapes))])
 
 
 def from_args(args):

@@ -79,6 +79,35 @@ def test_caches_and_their_line(smollm2, capsys):
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.parametrize(
+    "hidden, line",
+    [
+        (192, "group size 32 (64 does not divide head dim 96)"),
+        (160, "unquantized (no group size up to 64 divides head dim 80)"),
+    ],
+)
+def test_head_dims_the_group_does_not_divide(capsys, hidden, line):
+    """Phi-3's head dim 96 gets group size 32, Phi-2's 80 stays unquantized:
+    the load line says so once; the logits stay fp16's (8-bit)."""
+    import tiny_llama
+    from mlx_lm.models import llama
+
+    config = dict(tiny_llama.CONFIG, hidden_size=hidden, num_attention_heads=2)
+    config.update(num_key_value_heads=2)
+    config.pop("head_dim", None)
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    caches = factory.from_args(args(bits=8))(model)
+    err = capsys.readouterr().err
+    assert f"omlx_cache: keys and values of layers 0-1: {line}" in err
+    quantized = "2 of 2" if hidden == 192 else "0 of 2"
+    assert f"{quantized} layers quantized" in err
+    tokens = mx.array([list(range(1, 12))])
+    want = model(tokens, cache=[KVCache() for _ in caches])
+    got = model(tokens, cache=caches)
+    assert mx.abs(got - want).max().item() < 0.05 * mx.abs(want).max().item()
+
+
 def test_max_kv_size_bounds_the_unbounded_layers_only():
     model = tiny_gemma.tiny_gemma()
     plain = factory.from_args(args("q4-recall"))(model)

@@ -286,7 +286,7 @@ def test_each_sequences_first_tokens_after_its_padding(L):
 def test_each_sequences_first_tokens_past_the_pages_are_the_recent_ones(L, length):
     """(B,) rows: first tokens the pages do not hold yet (a residual holds
     them: rows from ``length`` on) are read from the recent tokens, as a
-    single sequence's are (and the affine decode kernel's ``first_as_held``):
+    single sequence's are (and the affine decode kernel's ``first_tokens_mask``):
     the first span's copies of those rows are not read, nor hidden."""
     padding = mx.array([0, 30]) if length else mx.array([0, 3])
     B, n = 2, 10

@@ -21,7 +21,7 @@ from omlx_cache.kv.codebook import (
     split_5bit,
     unpack,
 )
-from omlx_cache.kv.codecs import CPU_DEQUANTIZED_ROWS
+from omlx_cache.kv.codecs import CPU_DEQUANTIZED_ROWS, for_dim
 from omlx_cache.kv.rotation import givens_rotate, hadamard_matrix, has_hadamard, rotate
 
 # ---------------------------------------------------------------------------
@@ -369,3 +369,23 @@ def test_head_dims_a_codec_cannot_store(c, dim, match):
     with pytest.raises(ValueError, match=match):
         c.check_dim(dim)
     c.check_dim(128)
+
+
+@pytest.mark.parametrize(
+    "c,dim,want",
+    [
+        (Affine(4, 64, "hadamard"), 128, Affine(4, 64, "hadamard")),
+        (Affine(4, 64, "hadamard"), 96, Affine(4, 32, "hadamard")),
+        (Affine(8, 128), 192, Affine(8, 64)),
+        (Affine(4, 32), 96, Affine(4, 32)),
+        (Affine(4, 64), 80, "plain"),
+        (Affine(4, 32), 16, "plain"),
+        (Codebook(3), 48, "plain"),
+    ],
+)
+def test_a_head_dim_a_codec_cannot_store_gets_what_can(c, dim, want):
+    """``for_dim``: a smaller group size that divides the head dim, else
+    unquantized; never a larger group (coarser than asked)."""
+    got = for_dim(c, dim)
+    assert (got.spec if want == "plain" else got) == want
+    got.check_dim(dim)

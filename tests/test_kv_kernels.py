@@ -350,7 +350,7 @@ def affine_call(B=1, length=90, L=1, first=None, held=0, mask=None, seed=0):
 )
 @pytest.mark.parametrize("held", [0, 5])
 def test_decode_reads_first_tokens_as_held_ones(first, B, mask, held):
-    """``affine_decode.first_as_held``: the decode kernel takes a store's
+    """``affine_decode.first_tokens_mask``: the decode kernel takes a store's
     first tokens ahead of its held tokens, their copies in the pages hidden
     by the mask; as the MLX-ops loop attends them."""
     if first == "rows":
@@ -362,14 +362,17 @@ def test_decode_reads_first_tokens_as_held_ones(first, B, mask, held):
         mask = visible if mask == "bool" else mx.where(visible, 0.0, -1e9)
     call = affine_call(B=B, first=first, held=held, mask=mask)
     want = ops_attention(call)
-    recent = call.recent
-    held_tokens = None if recent is None else (recent.keys, recent.values, recent.count)
-    held_tokens, new_mask = affine_decode.first_as_held(
-        tuple(call.first[:4]), held_tokens, call.mask, call.length, B
+    first, recent = call.first, call.recent
+    keys, values = first.keys, first.values
+    if recent is not None:
+        keys = mx.concatenate([keys, recent.keys[:, :, : recent.count]], axis=2)
+        values = mx.concatenate([values, recent.values[:, :, : recent.count]], axis=2)
+    new_mask = affine_decode.first_tokens_mask(
+        first.first, first.count, held, call.mask, call.length, B
     )
     assert new_mask.shape[-1] == total + 8
     call.first, call.mask = None, new_mask
-    call.recent = Recent(*held_tokens)
+    call.recent = Recent(keys, values, keys.shape[2])
     assert relative_error(ops_attention(call), want) < 1e-5
 
 

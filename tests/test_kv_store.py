@@ -1332,6 +1332,34 @@ def test_joined_transforms_give_the_unfixed_no_transform():
         Transform.joined([Transform("k"), Transform("kv")], [1, 1])
 
 
+@pytest.mark.parametrize("center", ["", "k", "kv"])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+def test_one_op_transform_and_rotation_equal_the_steps(center, dtype):
+    """``Transform.rotated`` (a matmul with the weights and the rotation in
+    one matrix, the mean in its shift) and ``query_scale`` (the weights'
+    reciprocals, kept) give what centering, weighting and rotating step by
+    step give, within the dtype's rounding."""
+    D = 64
+    keys, values = (
+        mx.random.normal((2, 2, 5, D), key=mx.random.key(i)) + 2 for i in (1, 2)
+    )
+    weights = mx.exp(mx.random.normal((2, 2, 1, D), key=mx.random.key(3)) / 2)
+    t = Transform(center, "qk")
+    t.key_mean = keys.mean(axis=2, keepdims=True) if center else None
+    t.value_mean = values.mean(axis=2, keepdims=True) if center == "kv" else None
+    t.key_weights = weights
+    keys, values = keys.astype(dtype), values.astype(dtype)
+    want = (rotate(x.astype(mx.float32), "hadamard") for x in t(keys, values))
+    tol = 1e-5 if dtype == mx.float32 else 1e-2
+    for got, ref in zip(t.rotated(keys, values), want):
+        assert got.dtype == dtype and relative_error(got, ref) < tol
+    queries = mx.random.normal((2, 6, 3, D), key=mx.random.key(4)).astype(dtype)
+    scale = t.query_scale(dtype, 6)
+    assert scale is t.query_scale(dtype, 6)  # made once
+    ref = queries.astype(mx.float32) / mx.repeat(weights, 3, axis=1)
+    assert relative_error(queries * scale, ref) < tol
+
+
 @pytest.mark.parametrize("center", ["k", "kv"])
 def test_merged_stores_short_of_their_first_tokens_fix_it_together(center):
     """Stores of 3 and 5 tokens (first=8: no transform yet) merged, then

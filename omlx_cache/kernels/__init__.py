@@ -78,28 +78,20 @@ def first_tokens_visible(mask, length, count):
 
 
 def _decode(call):
-    held, mask = _held(call), call.mask
-    first = call.first
-    if (
-        first is not None
-        and isinstance(first.first, int)
-        and first.first + first.count <= 0
-    ):
-        # the pages hold none of the first tokens: they join the held ones
-        keys, values = (
-            first.keys[:, :, : first.count],
-            first.values[:, :, : first.count],
-        )
-        if held is not None:
-            keys = mx.concatenate([keys, held[0][:, :, : held[2]]], axis=2)
-            values = mx.concatenate([values, held[1][:, :, : held[2]]], axis=2)
-        held = (keys, values, keys.shape[2])
-        mask = first_tokens_visible(mask, call.length, first.count)
-    elif first is not None:
-        B = call.queries.shape[0]
-        held, mask = affine_decode.first_as_held(
-            _first(call), held, mask, call.length, B
-        )
+    held, mask, first = _held(call), call.mask, call.first
+    if first is not None:
+        count = first.count
+        if not (isinstance(first.first, int) and first.first + count <= 0):
+            # the pages hold copies of the first tokens: hidden
+            n_held = held[2] if held else 0
+            B = call.queries.shape[0]
+            mask = affine_decode.first_tokens_mask(
+                first.first, count, n_held, mask, call.length, B
+            )
+        else:
+            # the pages hold none of them: visible to the query, after them
+            mask = first_tokens_visible(mask, call.length, count)
+        first = (first.keys, first.values, count)
     out = affine_decode.quantized_decode_attention(
         call.rotated_queries(),
         call.key_pages,
@@ -109,6 +101,7 @@ def _decode(call):
         *_quantization(call),
         mask=mask,
         held=held,
+        first=first,
     )
     return call.finish(out)
 

@@ -123,8 +123,11 @@ _DECODE_SOURCE = """
     const int span = meta[3 * NP];
     const int splits = meta[3 * NP + 1];
     // the first block takes the held (unquantized) keys, if any: they follow
-    // the pages' keys, but it starts first so as not to run alone at the end
-    const int n_held = held_count[0];
+    // the pages' keys, but it starts first so as not to run alone at the end.
+    // They are a sequence's first tokens (first_keys), then its held decode
+    // tokens (held_keys).
+    const int n_first = held_count[0];
+    const int n_held = n_first + held_count[1];
     const bool held = n_held > 0 && blockIdx.x == 0;
     const int block = blockIdx.x - (n_held > 0);
     const int page = held ? 0 : block / splits;
@@ -174,6 +177,7 @@ _DECODE_SOURCE = """
     }
 
     const size_t rows = (size_t)bh * page_size;
+    const size_t first_rows = (size_t)bh * first_keys_shape[2];
     const int v_group = (quad * VC) / VG;
     // a tile's words and scales, loaded a tile ahead of their use (keys
     // quad and quad + 8; values 2 pos, 2 pos + 8, 2 pos + 1, 2 pos + 9)
@@ -234,8 +238,11 @@ _DECODE_SOURCE = """
         if (held) {
             #pragma unroll
             for (int r = 0; r < 2; ++r) {
+                const int k = key[r] < last ? key[r] : 0;
+                const auto k_row = k < n_first
+                    ? first_keys + (first_rows + k) * D + pos * KC
+                    : held_keys + (rows + k - n_first) * D + pos * KC;
                 const bool ok = key[r] < last;
-                const auto k_row = held_keys + (rows + (ok ? key[r] : 0)) * D + pos * KC;
                 #pragma unroll
                 for (int p = 0; p < 2 * STEPS; ++p) {
                     const int d = (p / KPAIRS) * (32 / KB) + p % KPAIRS;
@@ -331,8 +338,12 @@ _DECODE_SOURCE = """
                     const int d = quad * VC + 2 * i + (j & 1);
                     const int k0 = vkey[2 * (j >> 1)];
                     const int k1 = vkey[2 * (j >> 1) + 1];
-                    const auto v0 = k0 < last ? held_values[(rows + k0) * D + d] : static_cast<H>(0.f);
-                    const auto v1 = k1 < last ? held_values[(rows + k1) * D + d] : static_cast<H>(0.f);
+                    const auto v0 = k0 >= last ? static_cast<H>(0.f)
+                        : k0 < n_first ? first_values[(first_rows + k0) * D + d]
+                        : held_values[(rows + k0 - n_first) * D + d];
+                    const auto v1 = k1 >= last ? static_cast<H>(0.f)
+                        : k1 < n_first ? first_values[(first_rows + k1) * D + d]
+                        : held_values[(rows + k1 - n_first) * D + d];
                     a[j] = h2_bits(half_pair(v0, v1));
                 }
             } else {
@@ -559,7 +570,8 @@ def _decode_kernel(n_pages):
     template by ``specialized_kernel``)."""
     inputs = ["queries"]
     inputs += [f"{part}_{i}" for i in range(n_pages) for part in _PAGE_PARTS]
-    inputs += ["meta", "mask", "held_keys", "held_values", "held_count"]
+    inputs += ["meta", "mask", "first_keys", "first_values"]
+    inputs += ["held_keys", "held_values", "held_count"]
     source = _DECODE_SOURCE.replace("PAGE_POINTERS", _page_pointers(n_pages))
     name = f"quantized_sdpa_decode_{n_pages}"
     return name, tuple(inputs), ("out_values", "out_max", "out_sum"), source
@@ -613,10 +625,10 @@ def _mask_kind(mask, batch, length):
 
 
 @functools.cache
-def _held_count(n):
-    """The kernel's count of held keys: made once, so that a decode step
-    neither uploads it nor adds a node to the graph."""
-    return mx.array([n], dtype=mx.int32)
+def _held_count(n_first, n_held):
+    """The kernel's counts of first and held keys: made once, so that a decode
+    step neither uploads them nor adds a node to the graph."""
+    return mx.array([n_first, n_held], dtype=mx.int32)
 
 
 @functools.cache
@@ -721,12 +733,15 @@ def quantized_decode_attention(
     value_bits,
     mask=None,
     held=None,
+    first=None,
 ):
     """Attention of one query token over the first ``length`` keys of the
-    quantized pages, then the ``held`` ones if given (unquantized keys and
-    values of shape (B, n_kv_heads, buffer, D) and how many of them count);
-    arguments as in ``quantized_scaled_dot_product_attention`` (``applies``
-    says which masks the kernel takes)."""
+    quantized pages, then the ``first`` and the ``held`` ones if given
+    (unquantized keys and values of shape (B, n_kv_heads, buffer, D) and how
+    many of them count); arguments as in
+    ``quantized_scaled_dot_product_attention`` (``applies`` says which masks
+    the kernel takes; an array mask's columns: the pages', the first ones',
+    the held ones')."""
     B, n_q_heads, _, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[-3]
     G = n_q_heads // n_kv_heads
@@ -742,6 +757,14 @@ def quantized_decode_attention(
         stored += sizes[-1]
     dtype = key_pages[0][1].dtype
     held_keys, held_values, n_held = held or (_no_held(dtype), _no_held(dtype), 0)
+    first_keys, first_values, n_first = first or (None, None, 0)
+    if not n_first:
+        first_keys = first_values = _no_held(held_keys.dtype)
+    elif not n_held:
+        held_keys = held_values = _no_held(first_keys.dtype)
+    elif first_keys.dtype != held_keys.dtype:
+        first_keys = first_keys.astype(held_keys.dtype)
+        first_values = first_values.astype(held_keys.dtype)
     template = (
         ("D", D),
         ("G", G),
@@ -751,7 +774,7 @@ def quantized_decode_attention(
         ("VG", value_group_size),
         ("WARPS", WARPS),
         ("NKV", n_kv_heads),
-        ("MASK", _mask_kind(mask, B, length + n_held)),
+        ("MASK", _mask_kind(mask, B, length + n_first + n_held)),
         ("MB", mask is not None and not isinstance(mask, str) and mask.shape[0] > 1),
         # the scales' and the mask's types are part of the signature, so of the
         # kernel's name
@@ -761,25 +784,27 @@ def quantized_decode_attention(
     if mask is None or isinstance(mask, str):
         mask = _no_mask()
     values, maxes, sums = [], [], []
-    for first in range(0, len(sizes), MAX_PAGES):
-        pages = list(range(first, min(first + MAX_PAGES, len(sizes))))
+    for launch in range(0, len(sizes), MAX_PAGES):
+        pages = list(range(launch, min(launch + MAX_PAGES, len(sizes))))
         # a kernel per power of two of page slots: each compiles once (seconds)
         n_slots = 1 << (len(pages) - 1).bit_length()
-        launch_sizes = sizes[first : pages[-1] + 1]
+        launch_sizes = sizes[launch : pages[-1] + 1]
         meta, splits = _meta(
-            length, launch_sizes, sum(sizes[:first]), rows, n_slots, scale_bits
+            length, launch_sizes, sum(sizes[:launch]), rows, n_slots, scale_bits
         )
         n_blocks = len(pages) * splits
-        # the last launch has one more block for the held keys
-        n_launch_held = n_held if first + MAX_PAGES >= len(sizes) else 0
-        if n_launch_held:
+        # the last launch has one more block for the first and held keys
+        last_launch = launch + MAX_PAGES >= len(sizes)
+        counts = (n_first, n_held) if last_launch else (0, 0)
+        if sum(counts):
             n_blocks += 1
         # unused slots repeat the last page; no block reads them
         pages += [pages[-1]] * (n_slots - len(pages))
         inputs = [queries]
         for p in pages:
             inputs += [*key_pages[p], *value_pages[p]]
-        inputs += [meta, mask, held_keys, held_values, _held_count(n_launch_held)]
+        inputs += [meta, mask, first_keys, first_values]
+        inputs += [held_keys, held_values, _held_count(*counts)]
         kernel = specialized_kernel(
             *_decode_kernel(n_slots), template + (("NP", n_slots),), _HEADER
         )
@@ -807,16 +832,11 @@ def quantized_decode_attention(
     return _combine_partials(values, maxes, sums, queries.dtype, (B, n_q_heads, 1, D))
 
 
-def first_as_held(exact, held, mask, length, B):
-    """The first tokens of ``exact`` as held keys for the decode kernel (ahead
-    of the ``held`` decode tokens, if any) and the mask row (B or 1, 1, 1,
-    keys) that hides their quantized copies: ``(held, mask)``."""
-    keys, values, first, count = exact
-    n_held = held[2] if held else 0
-    held_keys, held_values = keys[..., :count, :], values[..., :count, :]
-    if n_held:
-        held_keys = mx.concatenate([held_keys, held[0][..., :n_held, :]], axis=2)
-        held_values = mx.concatenate([held_values, held[1][..., :n_held, :]], axis=2)
+def first_tokens_mask(first, count, n_held, mask, length, B):
+    """The mask row (B or 1, 1, 1, keys) for the first ``count`` tokens of
+    each sequence from stored row ``first`` (an int or (B,)) attended as the
+    kernel's ``first`` keys, after the pages and before ``n_held`` held
+    ones: their quantized copies in the pages hidden."""
     if mask is None or isinstance(mask, str):
         mask = mx.ones((1, 1, 1, length + n_held), dtype=mx.bool_)
     while mask.ndim < 4:
@@ -840,5 +860,4 @@ def first_as_held(exact, held, mask, length, B):
     else:
         stored = mx.where(hidden, -float("inf"), stored)
         kept = mx.where(valid, kept, -float("inf"))
-    mask = mx.concatenate([stored, kept, decoded], axis=-1)
-    return (held_keys, held_values, count + n_held), mask
+    return mx.concatenate([stored, kept, decoded], axis=-1)

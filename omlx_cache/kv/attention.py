@@ -83,6 +83,9 @@ class Call:
     key_mean: mx.array | None = None
     value_mean: mx.array | None = None
     key_weights: mx.array | None = None
+    # (B, n_q_heads, 1, D): the key weights' reciprocals, as the store keeps
+    # them for the queries' dtype, or None
+    query_scale: mx.array | None = None
     # the store's: writes the incoming token into the buffer, returns ``recent``
     land: Callable | None = None
     # set by a kernel that wrote the incoming token: the new held buffers
@@ -95,6 +98,8 @@ class Call:
 
     def weighted_queries(self) -> mx.array:
         """The queries divided by the key weights (model dtype)."""
+        if self.query_scale is not None:
+            return (self.queries * self.query_scale).astype(self.queries.dtype)
         if self.key_weights is None:
             return self.queries
         weights = _repeat_heads(self.key_weights, self.queries.shape[1])

@@ -15,7 +15,7 @@ norms included.
 """
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import mlx.core as mx
 
@@ -148,6 +148,31 @@ class Plain:
 
 
 Codec = Affine | Codebook | Plain
+
+
+def for_dim(c: Codec, dim: int) -> Codec:
+    """``c``, or what stores a head dim ``dim`` that ``c`` cannot: affine with
+    the largest group size up to its own that divides ``dim``, else
+    unquantized (``Plain``)."""
+    try:
+        c.check_dim(dim)
+        return c
+    except ValueError:
+        pass
+    if isinstance(c, Affine):
+        for group in sorted(AFFINE_GROUP_SIZES, reverse=True):
+            if group < c.group_size and dim % group == 0:
+                return replace(c, group_size=group)
+    return Plain()
+
+
+def why_not(c: Codec, dim: int) -> str:
+    """Why ``c`` cannot store head dim ``dim`` ("" if it can)."""
+    try:
+        c.check_dim(dim)
+        return ""
+    except ValueError as e:
+        return str(e)
 
 
 def codec(spec) -> Codec:

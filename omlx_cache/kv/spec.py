@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from .codecs import SCALE_BITS, Affine, Codebook, Plain
+from .codecs import SCALE_BITS, Affine, Codebook, Plain, for_dim, why_not
 from .spans import check_tokens
 from .store import KVStore
 from .transform import CENTERS, KEY_SCALES
@@ -314,7 +314,7 @@ class KVSpec:
             if shape.window is not None:
                 tokens = min(tokens, shape.window)
             return tokens * heads * sum(dims) * SCALE_BITS / 8
-        codecs = self.more_codecs() if layer in self.layers else self.codecs()
+        codecs = self.layer_codecs(shape, layer)
         held = _mean_held(self.recent if shape.window is None else 0, tokens)
         # the first span is allocated whole at the first write
         first = self.first_tokens if tokens else 0
@@ -334,6 +334,53 @@ class KVSpec:
         center, key_scale = self.transform
         vectors = (center != "") + (center == "kv") + (key_scale != "")
         return heads * (bits / 8 + vectors * 4 * dims[0])
+
+    def layer_codecs(self, shape, layer: int = 0) -> tuple:
+        """The (key, value) codecs layer ``layer`` of ``shape`` stores with: a
+        head dim a codec cannot store gets a group size that divides it, else
+        is stored unquantized (``codecs.for_dim``)."""
+        codecs = self.more_codecs() if layer in self.layers else self.codecs()
+        dims = (shape.key_dim, shape.value_dim)
+        return tuple(for_dim(c, dim) for c, dim in zip(codecs, dims))
+
+    def quantized_layers(self, shapes) -> int:
+        """Layers of ``shapes`` (None: no quantized form) a part of which is
+        quantized."""
+        return sum(
+            any(not isinstance(c, Plain) for c in self.layer_codecs(shape, i))
+            for i, shape in enumerate(shapes)
+            if shape is not None
+        )
+
+    def fitted_dims(self, shapes) -> list:
+        """One line per head dim of ``shapes`` that the scheme's codecs cannot
+        store as they are: what its layers get instead, and why."""
+        notes = {}
+        for i, shape in enumerate(shapes):
+            if shape is None:
+                continue
+            asked = self.more_codecs() if i in self.layers else self.codecs()
+            dims = (shape.key_dim, shape.value_dim)
+            stored = self.layer_codecs(shape, i)
+            for part, c, got, dim in zip(("keys", "values"), asked, stored, dims):
+                if got == c:
+                    continue
+                if isinstance(got, Affine):
+                    what = f"group size {got.group_size}"
+                    why = f"{c.group_size} does not divide head dim {dim}"
+                elif isinstance(c, Affine):
+                    what = "unquantized"
+                    why = f"no group size up to {c.group_size} divides head dim {dim}"
+                else:
+                    what, why = "unquantized", why_not(c, dim)
+                notes.setdefault((what, why), {}).setdefault(part, []).append(i)
+        lines = []
+        for (what, why), parts in notes.items():
+            layers = sorted({i for found in parts.values() for i in found})
+            lines.append(
+                f"{' and '.join(parts)} of layers {_ranges(layers)}: {what} ({why})"
+            )
+        return lines
 
     def footprint(self, shapes, context: int) -> dict:
         """What ``shapes`` (one per layer) hold for ``context`` tokens: bytes,
@@ -415,6 +462,17 @@ def _layers(value):
         return tuple(sorted({int(x) for x in value.split(",")}))
     except ValueError:
         raise ValueError(f"layers={value!r}: layer numbers, e.g. layers=4,8.") from None
+
+
+def _ranges(numbers) -> str:
+    """``0-3,7``: sorted ints as runs."""
+    runs = []
+    for n in numbers:
+        if runs and n == runs[-1][1] + 1:
+            runs[-1][1] = n
+        else:
+            runs.append([n, n])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _mean_held(residual: int, tokens: int) -> float:

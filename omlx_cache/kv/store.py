@@ -35,7 +35,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import register_cache_class
 
 from .attention import Call, First, attend
-from .codecs import Affine, codec
+from .codecs import Affine, codec, for_dim
 from .kernels import hold as kernel_hold
 from .rotation import rotate
 from .spans import Spans, check_tokens
@@ -164,7 +164,15 @@ class KVStore:
         """Each sequence's tokens in the first ``rows`` rows, (B,)."""
         return mx.array([rows])
 
+    def _fused(self) -> bool:
+        """Whether the transform and the rotation are one matmul a part."""
+        transform = self.transform
+        rotations = (self.key_codec.rotation, self.value_codec.rotation)
+        return transform.on and transform.fixed and rotations == ("hadamard",) * 2
+
     def _prepared(self, keys, values, rotated):
+        if rotated and self._fused():
+            return self.transform.rotated(keys, values)
         keys, values = self.transform(keys, values)
         if rotated:
             keys = rotate(keys, self.key_codec.rotation)
@@ -302,8 +310,10 @@ class KVStore:
         T = keys.shape[2]
         self._drop(self._drop_to())
         if self.empty():
-            self.key_codec.check_dim(keys.shape[-1])
-            self.value_codec.check_dim(values.shape[-1])
+            # a head dim the codec cannot store: a group size that divides
+            # it, else unquantized (the load line says so)
+            self.key_codec = for_dim(self.key_codec, keys.shape[-1])
+            self.value_codec = for_dim(self.value_codec, values.shape[-1])
         if not self.transform.fixed and self._first_complete(self._idx + T):
             # the transform is set from the first tokens and the queries at
             # their positions, which come with attention
@@ -461,6 +471,7 @@ class KVStore:
             key_mean=self.transform.key_mean,
             value_mean=self.transform.value_mean,
             key_weights=self.transform.key_weights,
+            query_scale=self.transform.query_scale(queries.dtype, queries.shape[1]),
             land=self._land,
         )
         out = attend(call)

@@ -19,6 +19,8 @@ quantizer's precision goes to the channels the queries weigh.
 
 import mlx.core as mx
 
+from .rotation import hadamard_matrix, rotate
+
 CENTERS = ("k", "kv")
 KEY_SCALES = ("q", "qk")
 
@@ -113,6 +115,7 @@ class Transform:
         self.key_scale = check_choice(key_scale, "key_scale", KEY_SCALES, "qk")
         self.key_mean, self.value_mean = key_mean, value_mean
         self.key_weights = key_weights
+        self._maps = {}
         if key_mean is not None and not self.center:
             raise ValueError("Cache state has a key mean but centering is off.")
         if (value_mean is not None) != (self.center == "kv" and key_mean is not None):
@@ -143,6 +146,7 @@ class Transform:
         ``stop`` of them (B,) written; the first, often an attention sink with
         an outlier key, left out) and the mean squared queries at those
         positions (``query_key_weights``)."""
+        self._maps = {}
         if self.center:
             self.key_mean = first_write_mean(keys, stop=stop)
             if self.center == "kv":
@@ -165,6 +169,54 @@ class Transform:
             keys = (keys * self.key_weights).astype(keys.dtype)
         return keys, values
 
+    def _map(self, part, dtype, dim):
+        """``(matrix, shift)``: ``x @ matrix + shift`` is the keys ("k") or the
+        values ("v") as ``__call__`` makes them, then rotated by the Hadamard
+        matrix: one matmul a decode step. Made once per dtype."""
+        key = (part, str(dtype))  # (a Dtype cannot be deep-copied)
+        if key not in self._maps:
+            matrix = hadamard_matrix(dim, mx.float32)
+            weights, mean = self.key_weights, self.key_mean
+            if part == "v":
+                weights, mean = None, self.value_mean
+            shift = None
+            if mean is not None:
+                if weights is not None:
+                    mean = mean * weights
+                shift = (-(mean @ matrix)).astype(dtype)
+            if weights is not None:
+                matrix = weights.swapaxes(-1, -2) * matrix
+            self._maps[key] = (matrix.astype(dtype), shift)
+        return self._maps[key]
+
+    def rotated(self, keys, values):
+        """Keys and values as ``__call__`` makes them, rotated by the Hadamard
+        matrix: an op each."""
+        out = []
+        for part, x in (("k", keys), ("v", values)):
+            if part == "v" and self.value_mean is None:
+                out.append(rotate(x, "hadamard"))
+                continue
+            matrix, shift = self._map(part, x.dtype, x.shape[-1])
+            out.append(x @ matrix if shift is None else mx.addmm(shift, x, matrix))
+        return tuple(out)
+
+    def query_scale(self, dtype, n_heads):
+        """(B, n_heads, 1, D): what queries are multiplied by (the
+        key weights' reciprocals, each KV head's for its query heads), or
+        None."""
+        if self.key_weights is None:
+            return None
+        key = ("q", str(dtype), n_heads)
+        if key not in self._maps:
+            weights = self.key_weights
+            weights = mx.repeat(weights, n_heads // weights.shape[1], axis=1)
+            # bfloat16's 8 bits would move every score: float32 there
+            self._maps[key] = (1 / weights).astype(
+                mx.float32 if dtype == mx.bfloat16 else dtype
+            )
+        return self._maps[key]
+
     def arrays(self):
         return self.key_mean, self.value_mean, self.key_weights
 
@@ -175,6 +227,7 @@ class Transform:
     # batches: each sequence keeps its own means and weights
 
     def take(self, indices):
+        self._maps = {}
         self.key_mean, self.value_mean, self.key_weights = (
             None if x is None else x[indices] for x in self.arrays()
         )
