@@ -131,10 +131,25 @@ def test_settings_a_store_refuses():
     ):
         with pytest.raises(ValueError, match=match):
             KVStore(3, **settings)
-    with pytest.raises(ValueError, match="group size 64"):
-        KVStore(Affine(4, 64)).update_and_fetch(*random_kv(1, 1, 3, 96))
-    with pytest.raises(ValueError, match="packing needs"):
-        KVStore(3).update_and_fetch(*random_kv(1, 1, 3, 48))
+
+
+def test_a_head_dim_the_codecs_cannot_store():
+    """The first write fits the codecs to the head dim (``codecs.for_dim``):
+    a smaller group size, else unquantized; attention as over what it holds."""
+    store = KVStore(Affine(4, 64))
+    keys, values = random_kv(1, 2, 5, 96)
+    store.update_and_fetch(keys, values)
+    assert store.key_codec == Affine(4, 32) == store.value_codec
+    store = KVStore(3)
+    keys, values = random_kv(1, 2, 5, 48)
+    pages = store.update_and_fetch(keys, values)
+    assert store.key_codec.spec == "plain" == store.value_codec.spec
+    queries = mx.random.normal((1, 4, 5, 48), key=mx.random.key(5))
+    out = store.scaled_dot_product_attention(
+        queries, *pages, scale=48**-0.5, mask="causal"
+    )
+    ref = float_attention(queries, keys, values, "causal")
+    assert relative_error(out, ref) < 1e-5
 
 
 # ---------------------------------------------------------------------------
