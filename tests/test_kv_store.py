@@ -77,17 +77,64 @@ def test_attention_over_what_the_store_holds(name, settings, groups, length, new
     assert relative_error(out, reference(s, queries, mask)) < 1e-4
 
 
-def test_update_returns_the_pages_and_counts_the_tokens():
+def test_update_returns_what_it_holds_and_counts_the_tokens():
+    """``update_and_fetch`` returns the keys and values dequantized, as the
+    model made them (what a model that attends by itself reads)."""
     s = store(page_size=16)
     assert s.empty() and s.size() == 0 and s.bits_per_element is None
     keys, values = random_kv(1, 2, 40, 64, seed=1)
-    pages = s.update_and_fetch(keys, values)
-    assert pages == (s.key_pages, s.value_pages) and len(s.key_pages) == 3
+    fetched = s.update_and_fetch(keys, values)
+    assert len(s.key_pages) == 3
+    for got, want in zip(fetched, stored(s)):
+        assert got.shape == (1, 2, 40, 64) and mx.allclose(got, want, atol=1e-5)
     assert (s.offset, s.size(), s.capacity) == (40, 40, 48)
     assert s.bits_per_element == (3.25, 4.25)
     assert s.max_size is None and s.is_trimmable() and not s.empty()
     assert s.make_mask(1) is None and s.make_mask(5) == "causal"
     assert s.make_mask(5, return_array=True).shape == (1, 1, 5, 45)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {},
+        {"first": 4},
+        {"first": 4, "center": "kv", "key_scale": "qk"},
+        {"recent": 8},
+        {"window": 24, "page_size": 16},
+    ],
+)
+@pytest.mark.parametrize("batch", [False, True])
+def test_what_a_model_that_attends_by_itself_reads(settings, batch):
+    """Every write's ``update_and_fetch`` returns each row a query sees as the
+    model made it (``stored``, within 8-bit rounding; a write that waits
+    for the transform as it came), decode tokens held for a kernel
+    included; attention over it with mx.fast equals the store's own when
+    the model hands back what it fetched, and a model's own keys made from
+    them (an MLA latent's projections) are attended as they are."""
+    codecs = (Affine(8, 32, "hadamard"), Affine(8, 32))
+    s = KVStore(*codecs, **settings)
+    if batch:
+        s = BatchKVStore([0, 3], *codecs, **settings)
+    B = 2 if batch else 1
+    keys, values = random_kv(B, 2, 9, 64, seed=3)
+    for step, n in enumerate((9, 1, 7, 1, 1, 12, 1)):
+        if step:
+            keys, values = random_kv(B, 2, n, 64, seed=10 + step)
+        mask = s.make_mask(n, return_array=True)  # as a model makes it
+        fetched = s.update_and_fetch(keys, values)
+        queries = mx.random.normal((B, 4, n, 64), key=mx.random.key(step))
+        out = s.scaled_dot_product_attention(queries, *fetched, 64**-0.5, mask)
+        if n == 1:  # (a padded prompt row sees no key)
+            own = float_attention(queries, *fetched, mask)
+            assert relative_error(out, own) < 2e-2
+        for got, want in zip(fetched, stored(s)):
+            assert got.shape == want.shape
+            assert mx.abs(got - want).max().item() < 0.05
+    projected = fetched[0] * 2
+    out = s.scaled_dot_product_attention(queries, projected, fetched[1], 0.1, None)
+    want = float_attention(queries, projected, fetched[1], None, scale=0.1)
+    assert relative_error(out, want) < 1e-5
 
 
 @pytest.mark.parametrize("bits", [3, 4])

@@ -117,6 +117,8 @@ class KVStore:
         self._pending = None
         # mean squared queries at the first positions, summed, and their count
         self._query_energy = self._query_count = None
+        # ids of what ``update_and_fetch`` returned last
+        self._fetched = None
 
     # ------------------------------------------------------------------
     # settings
@@ -336,7 +338,11 @@ class KVStore:
             self._write_rows(*self.transform(keys, values))
         self._idx += T
         self.offset = self.offset + T
-        return self.key_pages, self.value_pages
+        # a model that attends by itself, or a layer reading this one's cache,
+        # reads these; mlx-lm's attention comes to this store instead
+        fetched = self.dequantized()
+        self._fetched = tuple(map(id, fetched))
+        return fetched
 
     def _prepare_held(self, keys, values):
         return self._prepared(keys, values, rotated=self.spans.rotated)
@@ -416,7 +422,10 @@ class KVStore:
                 return None
             if not return_array:
                 return "causal"
-        cols = self._idx + N - self._drop_to()
+        drop_to = self._drop_to()
+        # the columns: the rows a query sees, the first span's in front
+        front = self._front() if drop_to == self.dropped else 0
+        cols = self._idx + N - drop_to + front
         return _causal(N, self._idx, cols, None, window)
 
     def _first_mask(self, queries):
@@ -447,6 +456,12 @@ class KVStore:
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
+        if isinstance(keys, mx.array) and (id(keys), id(values)) != self._fetched:
+            # keys and values the model made from what it fetched (an MLA
+            # latent's projections): attended as they are
+            return mx.fast.scaled_dot_product_attention(
+                queries, keys, values, scale=scale, mask=mask, sinks=sinks
+            )
         if not self.transform.fixed and self.transform.key_scale:
             self._add_queries(queries)
         self._flush_pending()
@@ -560,6 +575,13 @@ class KVStore:
         in its first span only; a batch writes every row to its pages)."""
         return 0 if self._is_batch() else min(self.spans.first, self._written)
 
+    def _front(self) -> int:
+        """Rows before the pages a query reads from the first span: a
+        sequence's first tokens, which its store holds there only (none
+        once a window dropped rows)."""
+        skip = self._first_skip()
+        return skip if self.dropped == skip else 0
+
     def _window_dropped(self) -> bool:
         """Whether a window dropped rows no query sees: pages, or a sliding
         window's first span."""
@@ -587,6 +609,106 @@ class KVStore:
         self._idx -= n
         self.offset = self.offset - n
         return n
+
+    def _model_dtype(self):
+        for x in (
+            self._pending and self._pending[0],
+            self.spans.first_keys,
+            self.spans.held_keys,
+        ):
+            if x is not None:
+                return x.dtype
+        if self.key_pages and isinstance(self.key_codec, Affine):
+            return self.key_pages[0][1].dtype
+        return mx.float32
+
+    def _decoded_pages(self, dtype):
+        """The pages' rows decoded (rotated domain), a batch's first tokens
+        as the first span keeps them, or None."""
+        length = self._written - self.dropped
+        if length <= 0:
+            return None
+        keys, values = (
+            mx.concatenate([c.decode(p, dtype) for p in pages], axis=2)[:, :, :length]
+            for c, pages in (
+                (self.key_codec, self.key_pages),
+                (self.value_codec, self.value_pages),
+            )
+        )
+        spans = self.spans
+        if not self._is_batch() or spans.first_keys is None:
+            return keys, values
+        # each sequence's first tokens, from row left_padding[i] on
+        pos = mx.arange(length)[None] - (self.left_padding - self.dropped)[:, None]
+        kept = ((pos >= 0) & (pos < spans.first))[:, None, :, None]
+        index = mx.clip(pos, 0, spans.first - 1)[:, None, :, None]
+
+        def first(rows, first_rows):
+            index_ = mx.broadcast_to(index, rows.shape)
+            return mx.where(kept, mx.take_along_axis(first_rows, index_, 2), rows)
+
+        return first(keys, spans.first_keys), first(values, spans.first_values)
+
+    def _held(self):
+        """The held tokens (rotated domain), an incoming one prepared, or None."""
+        spans, n = self.spans, self.spans.n_held
+        if not n:
+            return None
+        held = [x[:, :, :n] for x in (spans.held_keys, spans.held_values)]
+        if spans.incoming is not None:
+            last = self._prepare_held(*spans.incoming)
+            held = [
+                mx.concatenate([x[:, :, : n - 1], y.astype(x.dtype)], axis=2)
+                for x, y in zip(held, last)
+            ]
+        if not spans.rotated:
+            held = [rotate(x, c.rotation) for x, c in zip(held, self._codecs())]
+        return tuple(held)
+
+    def _codecs(self):
+        return self.key_codec, self.value_codec
+
+    def dequantized(self):
+        """(keys, values) (B, n_kv_heads, rows, D) as the model made them, the
+        pages decoded: each row a query sees, in order (the first tokens the
+        pages do not hold, the pages, the held tokens, a write waiting for
+        the transform). What a model that attends by itself reads: lazy, so
+        computed only if read. (A window's sinks are not among them.)"""
+        spans = self.spans
+        dtype = self._model_dtype()
+        parts = []
+        front = self._front()
+        if front and spans.first_keys is not None:
+            parts.append(tuple(x[:, :, :front] for x in self._first_span()))
+        for part in (self._decoded_pages(dtype), self._held()):
+            if part is not None:
+                parts.append(part)
+        out = []
+        if parts:
+            keys, values = (
+                mx.concatenate([x.astype(dtype) for x in xs], axis=2)
+                for xs in zip(*parts)
+            )
+            keys = rotate(keys, self.key_codec.rotation, inverse=True)
+            values = rotate(values, self.value_codec.rotation, inverse=True)
+            t = self.transform
+            if t.key_weights is not None:
+                keys = keys / t.key_weights
+            if t.key_mean is not None:
+                keys = keys + t.key_mean
+            if t.value_mean is not None:
+                values = values + t.value_mean
+            out.append((keys.astype(dtype), values.astype(dtype)))
+        if self._pending is not None:
+            out.append(self._pending[:2])
+        if not out:
+            return None, None
+        if len(out) == 1:
+            return out[0]
+        return tuple(mx.concatenate(xs, axis=2) for xs in zip(*out))
+
+    def _first_span(self):
+        return self.spans.first_keys, self.spans.first_values
 
     def keys_and_values(self):
         """The encoded keys and values of the pages, one tuple each (a copy
