@@ -709,9 +709,17 @@ def check_schemes(model, schemes: Sequence[Scheme]):
     does not fit the model (a group size the head dim does not divide, a
     layer it lacks) fails before the long runs rather than after them."""
     tokens = mx.array([[0, 0]])
+    shapes = None
     for scheme in schemes:
         try:
             mx.eval(model(tokens, cache=scheme.make_cache(model)))
+            if not scheme.is_reference:
+                # a store would fit its codecs to the head dim: a measurement
+                # is of the scheme it names
+                shapes = shapes or layer_shapes(model, scheme.max_kv_size)
+                fitted = scheme.spec.fitted_dims(shapes)
+                if fitted:
+                    raise ValueError("; ".join(fitted))
         except ValueError as e:
             raise ValueError(f"KV scheme {scheme.name!r} does not fit the model: {e}")
 

@@ -498,14 +498,14 @@ class LayerShape:
 def layer_shapes(model, max_kv_size=None) -> list:
     """Each layer's KV heads, head dims and window, read off the model's own
     caches after one token."""
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     caches = make_prompt_cache(model, max_kv_size)
     mx.eval(model(mx.array([[0]]), cache=caches))
     shapes = []
     for c in caches:
         keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if not isinstance(keys, mx.array) or keys.ndim != 4:
+        if type(c) not in (KVCache, RotatingKVCache) or keys is None:
             shapes.append(None)  # a cache with no quantized form
             continue
         window = getattr(c, "max_size", None)
