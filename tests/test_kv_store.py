@@ -78,13 +78,17 @@ def test_attention_over_what_the_store_holds(name, settings, groups, length, new
 
 
 def test_update_returns_what_it_holds_and_counts_the_tokens():
-    """``update_and_fetch`` returns the keys and values dequantized, as the
-    model made them (what a model that attends by itself reads)."""
+    """``update_and_fetch`` returns the pages, or with ``fetch_dequantized``
+    the keys and values as the model made them (what a model that attends
+    by itself reads)."""
     s = store(page_size=16)
     assert s.empty() and s.size() == 0 and s.bits_per_element is None
     keys, values = random_kv(1, 2, 40, 64, seed=1)
-    fetched = s.update_and_fetch(keys, values)
+    assert s.update_and_fetch(keys, values) == (s.key_pages, s.value_pages)
     assert len(s.key_pages) == 3
+    s = store(page_size=16, fetch_dequantized=True)
+    fetched = s.update_and_fetch(keys, values)
+    assert s.settings["fetch_dequantized"]
     for got, want in zip(fetched, stored(s)):
         assert got.shape == (1, 2, 40, 64) and mx.allclose(got, want, atol=1e-5)
     assert (s.offset, s.size(), s.capacity) == (40, 40, 48)
@@ -113,10 +117,12 @@ def test_what_a_model_that_attends_by_itself_reads(settings, batch):
     the model hands back what it fetched, and a model's own keys made from
     them (an MLA latent's projections) are attended as they are."""
     codecs = (Affine(8, 32, "hadamard"), Affine(8, 32))
+    settings = dict(settings, fetch_dequantized=True)
     s = KVStore(*codecs, **settings)
     if batch:
         s = BatchKVStore([0, 3], *codecs, **settings)
     B = 2 if batch else 1
+    assert s.fetch_dequantized
     keys, values = random_kv(B, 2, 9, 64, seed=3)
     for step, n in enumerate((9, 1, 7, 1, 1, 12, 1)):
         if step:

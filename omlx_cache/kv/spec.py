@@ -36,6 +36,7 @@ The items (``K,V``: keys and values apart; one value: both):
   fitted profile ranks first within X bits per element (``fit``).
 """
 
+import weakref
 from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
@@ -271,7 +272,7 @@ class KVSpec:
         says (a sliding-window layer, or every layer with ``max_kv_size``,
         gets a bounded store), or the model's own for ``fp16``. Layers whose
         cache has no quantized form keep it."""
-        from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
+        from mlx_lm.models.cache import make_prompt_cache
 
         caches = make_prompt_cache(model, max_kv_size)
         if self.bits is None:
@@ -285,6 +286,17 @@ class KVSpec:
             raise ValueError(
                 f"{self}: layer {self.layers[-1]} of a model with {len(caches)} layers."
             )
+        out = self._stores(caches)
+        if _reads_fetched(model, self, out, max_kv_size):
+            for c in out:
+                if isinstance(c, KVStore):
+                    c.fetch_dequantized = True
+        return out
+
+    def _stores(self, caches) -> list:
+        """The model's caches, those with a quantized form as stores."""
+        from mlx_lm.models.cache import KVCache, RotatingKVCache
+
         out = []
         for i, c in enumerate(caches):
             codecs = self.more_codecs() if i in self.layers else self.codecs()
@@ -397,6 +409,32 @@ class KVSpec:
             "bytes_per_token": total / context,
             "bits_per_element": 8 * total / elements,
         }
+
+
+_READS_FETCHED = weakref.WeakValueDictionary()
+_READS_FETCHED_FLAG = {}
+
+
+def _reads_fetched(model, spec, caches, max_kv_size) -> bool:
+    """Whether ``model`` reads the keys and values its caches return (it
+    attends by itself, reads another layer's cache, or projects an MLA
+    latent) rather than handing them to the cache's attention: two tokens
+    through fresh stores that return their pages tell, once per model."""
+    if not any(isinstance(c, KVStore) for c in caches):
+        return False
+    key = (id(model), max_kv_size)
+    if _READS_FETCHED.get(key) is not model:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        probe = spec._stores(make_prompt_cache(model, max_kv_size))
+        try:
+            mx.eval(model(mx.array([[0, 0]]), cache=probe))
+            reads = any(isinstance(c, KVStore) and not c.attended for c in probe)
+        except Exception:  # noqa: BLE001 (pages where a model wants arrays)
+            reads = True
+        _READS_FETCHED[key] = model
+        _READS_FETCHED_FLAG[key] = reads
+    return _READS_FETCHED_FLAG[key]
 
 
 def _items(items) -> dict:

@@ -84,6 +84,7 @@ class KVStore:
         window=None,
         keep=0,
         page_size=None,
+        fetch_dequantized=False,
     ):
         self.key_codec = codec(keys)
         self.value_codec = codec(keys if values is None else values)
@@ -117,8 +118,13 @@ class KVStore:
         self._pending = None
         # mean squared queries at the first positions, summed, and their count
         self._query_energy = self._query_count = None
-        # ids of what ``update_and_fetch`` returned last
+        # update_and_fetch returns the keys and values dequantized (for
+        # models that read them), else the pages
+        self.fetch_dequantized = bool(fetch_dequantized)
+        # ids of what ``update_and_fetch`` returned last, and whether this
+        # store's attention was handed them back
         self._fetched = None
+        self.attended = False
 
     # ------------------------------------------------------------------
     # settings
@@ -134,6 +140,7 @@ class KVStore:
             "window": self.window,
             "keep": self.keep,
             "page_size": self.page_size,
+            **({"fetch_dequantized": True} if self.fetch_dequantized else {}),
         }
 
     def _batch_settings(self) -> dict:
@@ -339,8 +346,12 @@ class KVStore:
         self._idx += T
         self.offset = self.offset + T
         # a model that attends by itself, or a layer reading this one's cache,
-        # reads these; mlx-lm's attention comes to this store instead
-        fetched = self.dequantized()
+        # reads the keys and values dequantized (lazy, but each layer's graph
+        # costs host time a decode step: only for models that need them)
+        if self.fetch_dequantized:
+            fetched = self.dequantized()
+        else:
+            fetched = self.key_pages, self.value_pages
         self._fetched = tuple(map(id, fetched))
         return fetched
 
@@ -456,7 +467,9 @@ class KVStore:
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
     ):
-        if isinstance(keys, mx.array) and (id(keys), id(values)) != self._fetched:
+        fetched = (id(keys), id(values)) == self._fetched
+        self.attended = self.attended or fetched
+        if isinstance(keys, mx.array) and not fetched:
             # keys and values the model made from what it fetched (an MLA
             # latent's projections): attended as they are
             return mx.fast.scaled_dot_product_attention(
