@@ -466,10 +466,10 @@ def built_kv_bytes(name: str, shape: Shape, slots: int, ranks: int = 1) -> int:
             tokens = spec.first_tokens + 1
             cache.reserve = slots
         x = mx.zeros((1, heads, tokens, shape.head_dim), dtype)
-        cache.update_and_fetch(x, x)
+        fetched = cache.update_and_fetch(x, x)
         if not spec.is_reference:
             # a write that fixes a transform waits for the queries
-            cache.scaled_dot_product_attention(x, x, x, 1.0, "causal")
+            cache.scaled_dot_product_attention(x, *fetched, 1.0, "causal")
         total += cache.nbytes
     return total
 
