@@ -328,11 +328,14 @@ def test_scheme_served_through_kv_cache_hook(fresh_server):
     assert together == fp16
 
 
-def test_batchable_scheme_is_batched(fresh_server, tokenizer):
-    # centered keys without weights merge into a batch
+@pytest.mark.parametrize(
+    "config", ["bits=8,4 center=k", "q4", "q4-recall", "bits=4 codec=codebook"]
+)
+def test_schemes_and_presets_are_batched(fresh_server, tokenizer, config):
+    # centering, key weights, first tokens, a residual, codebooks: the
+    # server merges them into one batch, each answer as it is alone
     assert_batched_as_alone(
-        fresh_server("--kv-cache", "omlx", "--kv-cache-config", "bits=8,4 center=k"),
-        tokenizer,
+        fresh_server("--kv-cache", "omlx", "--kv-cache-config", config), tokenizer
     )
 
 
