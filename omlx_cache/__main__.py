@@ -1,4 +1,5 @@
-"""``python -m omlx_cache COMMAND ...``: fit, eval, bench, generate, models."""
+"""``python -m omlx_cache COMMAND ...``: fit, eval, bench, generate, models,
+loadbench."""
 
 import importlib
 import sys
@@ -9,6 +10,7 @@ COMMANDS = {
     "bench": "omlx_cache.bench",
     "generate": "omlx_cache.generate",
     "models": "omlx_cache.models",
+    "loadbench": "omlx_cache.loadbench",
 }
 
 

@@ -1276,6 +1276,25 @@ def test_filter_and_extend_track_the_stores_alone():
         empty.extend(BatchKVStore([0], 3, 3))
 
 
+@pytest.mark.parametrize("length", [40, 70])
+def test_filter_leaves_padding_a_residual_holds(length):
+    """The server's filter after a long answer ends: the shared left padding
+    of the sequences left runs past the rows the pages hold (a residual
+    holds the rest); the pages' rows go, the held ones stay, masked; each
+    sequence attends as alone."""
+    mx.random.seed(0)
+    stores = [KVStore(3, 4, recent=8, page_size=16) for _ in range(2)]
+    for s, n in zip(stores, (length, 3)):
+        fill(s, 2, n, n, 64)
+    batch = KVStore.merge(stores)
+    assert batch._written < length - 3  # padding in the residual
+    batch.filter([1])
+    assert batch.size() <= length and batch.offset.tolist() == [3]
+    for seed in (2, 3):
+        out, (alone,) = batch_step(batch, [stores[1]], seed)
+        assert relative_error(out, alone) < 1e-4
+
+
 @pytest.mark.parametrize("codecs", [(3, 4), (Affine(4, 64, "hadamard"), Affine(8))])
 @pytest.mark.parametrize("n", [0, 3])
 def test_a_batch_tracks_mlx_lms_batch_cache(n, codecs):

@@ -1060,6 +1060,8 @@ class BatchKVStore(KVStore):
             spans.held_keys = spans.held_keys[batch_indices]
             spans.held_values = spans.held_values[batch_indices]
         shared = min(self.left_padding.tolist(), default=0) - self.dropped
+        # (padding rows a residual still holds stay there, masked)
+        shared = min(shared, self._written - self.dropped)
         if shared <= 0 or self.window is not None:
             return
         for pages in (self.key_pages, self.value_pages):
