@@ -36,6 +36,7 @@ The items (``K,V``: keys and values apart; one value: both):
   fitted profile ranks first within X bits per element (``fit``).
 """
 
+import itertools
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -286,28 +287,33 @@ class KVSpec:
             raise ValueError(
                 f"{self}: layer {self.layers[-1]} of a model with {len(caches)} layers."
             )
-        out = self._stores(caches)
-        if _reads_fetched(model, self, out, max_kv_size):
-            for c in out:
-                if isinstance(c, KVStore):
-                    c.fetch_dequantized = True
+        lists, dequantized = _how_model_reads(model, self, max_kv_size)
+        out = self._stores(caches, lists)
+        for c in stores(out):
+            c.fetch_dequantized = dequantized
         return out
 
-    def _stores(self, caches) -> list:
-        """The model's caches, those with a quantized form as stores."""
-        from mlx_lm.models.cache import KVCache, RotatingKVCache
+    def _stores(self, caches, lists=True) -> list:
+        """The model's caches, those with a quantized form as stores (inside
+        a ``CacheList`` too, with ``lists``)."""
+        return [
+            self._store(
+                c, self.more_codecs() if i in self.layers else self.codecs(), lists
+            )
+            for i, c in enumerate(caches)
+        ]
 
-        out = []
-        for i, c in enumerate(caches):
-            codecs = self.more_codecs() if i in self.layers else self.codecs()
-            if type(c) is KVCache:
-                out.append(KVStore(*codecs, **self.settings()))
-            elif type(c) is RotatingKVCache:
-                settings = dict(self.settings(), recent=0)
-                out.append(KVStore(*codecs, **settings, window=c.max_size, keep=c.keep))
-            else:
-                out.append(c)
-        return out
+    def _store(self, c, codecs, lists=True):
+        from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
+
+        if type(c) is KVCache:
+            return KVStore(*codecs, **self.settings())
+        if type(c) is RotatingKVCache:
+            settings = dict(self.settings(), recent=0)
+            return KVStore(*codecs, **settings, window=c.max_size, keep=c.keep)
+        if type(c) is CacheList and lists:
+            return CacheList(*(self._store(x, codecs) for x in c.caches))
+        return c
 
     # ------------------------------------------------------------------
     # the footprint
@@ -411,30 +417,50 @@ class KVSpec:
         }
 
 
-_READS_FETCHED = weakref.WeakValueDictionary()
-_READS_FETCHED_FLAG = {}
+def stores(caches) -> list:
+    """The ``KVStore``s among ``caches``, those in a ``CacheList`` too."""
+    out = []
+    for c in caches:
+        if isinstance(c, KVStore):
+            out.append(c)
+        elif hasattr(c, "caches"):
+            out += stores(c.caches)
+    return out
 
 
-def _reads_fetched(model, spec, caches, max_kv_size) -> bool:
-    """Whether ``model`` reads the keys and values its caches return (it
-    attends by itself, reads another layer's cache, or projects an MLA
-    latent) rather than handing them to the cache's attention: two tokens
-    through fresh stores that return their pages tell, once per model."""
-    if not any(isinstance(c, KVStore) for c in caches):
-        return False
+_READ_BY = weakref.WeakValueDictionary()
+_READS = {}
+
+
+def _how_model_reads(model, spec, max_kv_size) -> tuple:
+    """``(lists, dequantized)``: whether ``model`` runs with stores inside its
+    ``CacheList``s, and whether it reads the keys and values its caches
+    return (it attends by itself, reads another layer's cache, or projects
+    an MLA latent) rather than handing them to the cache's attention. Two
+    tokens through fresh caches tell, once per model: stores that return
+    their pages (each must see its own attention), else their rows
+    dequantized; then the same with the ``CacheList``s as they are (a model
+    that writes into a cache's arrays)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
     key = (id(model), max_kv_size)
-    if _READS_FETCHED.get(key) is not model:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        probe = spec._stores(make_prompt_cache(model, max_kv_size))
+    if _READ_BY.get(key) is model:
+        return _READS[key]
+    found = (False, True)
+    for lists, dequantized in itertools.product((True, False), (False, True)):
+        probe = spec._stores(make_prompt_cache(model, max_kv_size), lists)
+        for c in stores(probe):
+            c.fetch_dequantized = dequantized
         try:
             mx.eval(model(mx.array([[0, 0]]), cache=probe))
-            reads = any(isinstance(c, KVStore) and not c.attended for c in probe)
-        except Exception:  # noqa: BLE001 (pages where a model wants arrays)
-            reads = True
-        _READS_FETCHED[key] = model
-        _READS_FETCHED_FLAG[key] = reads
-    return _READS_FETCHED_FLAG[key]
+        except Exception:  # noqa: BLE001, S112 (what a model cannot run with)
+            continue
+        if dequantized or all(c.attended for c in stores(probe)):
+            found = (lists, dequantized)
+            break
+    _READ_BY[key] = model
+    _READS[key] = found
+    return found
 
 
 def _items(items) -> dict:
