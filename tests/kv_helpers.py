@@ -110,14 +110,7 @@ def stored(store):
         values = mx.concatenate([values, held[1]], axis=2)
     keys = rotate(keys, kc.rotation, inverse=True)
     values = rotate(values, vc.rotation, inverse=True)
-    transform = store.transform
-    if transform.key_weights is not None:
-        keys = keys / transform.key_weights
-    if transform.key_mean is not None:
-        keys = keys + transform.key_mean
-    if transform.value_mean is not None:
-        values = values + transform.value_mean
-    return keys, values
+    return store.transform.undo(keys, values)
 
 
 def stored_mask(store, mask, L):

@@ -704,13 +704,7 @@ class KVStore:
             )
             keys = rotate(keys, self.key_codec.rotation, inverse=True)
             values = rotate(values, self.value_codec.rotation, inverse=True)
-            t = self.transform
-            if t.key_weights is not None:
-                keys = keys / t.key_weights
-            if t.key_mean is not None:
-                keys = keys + t.key_mean
-            if t.value_mean is not None:
-                values = values + t.value_mean
+            keys, values = self.transform.undo(keys, values)
             out.append((keys.astype(dtype), values.astype(dtype)))
         if self._pending is not None:
             out.append(self._pending[:2])

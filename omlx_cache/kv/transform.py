@@ -169,6 +169,16 @@ class Transform:
             keys = (keys * self.key_weights).astype(keys.dtype)
         return keys, values
 
+    def undo(self, keys, values):
+        """Keys and values as the model made them from what ``__call__`` made."""
+        if self.key_weights is not None:
+            keys = keys / self.key_weights
+        if self.key_mean is not None:
+            keys = keys + self.key_mean
+        if self.value_mean is not None:
+            values = values + self.value_mean
+        return keys, values
+
     def _map(self, part, dtype, dim):
         """``(matrix, shift)``: ``x @ matrix + shift`` is the keys ("k") or the
         values ("v") as ``__call__`` makes them, then rotated by the Hadamard
