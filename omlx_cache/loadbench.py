@@ -265,24 +265,23 @@ def _lengths(text):
     return values
 
 
-def _positive(text):
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: 1 or more")
-    return value
+def _checked(cast, ok, what):
+    """An argparse type: ``cast`` of the text, which ``ok`` accepts."""
+
+    def parse(text):
+        try:
+            value = cast(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r}: {what}")
+        return value
+
+    return parse
 
 
-def _share(text):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: a share, 0 to 1") from None
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: a share, 0 to 1")
-    return value
+_positive = _checked(int, lambda n: n >= 1, "a whole number, 1 or more")
+_share = _checked(float, lambda x: 0 <= x <= 1, "a share, 0 to 1")
 
 
 def _scheme(text):
