@@ -18,83 +18,29 @@ equal the same prompt's asked alone afterwards.
 import argparse
 import concurrent.futures
 import json
-import os
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from .kv.spec import KVSpec
+from .disk_bench import Server, scheme, server_args
 
 DEFAULT_TEXT = (
     Path(__file__).resolve().parents[2] / "shared/data/wikitext-2-raw/wiki.test.raw"
 )
-OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _scheme_flags(name: str) -> list:
-    spec = KVSpec.parse(name)  # ValueError naming a bad item
-    if spec.is_reference:
-        return []
-    return ["--kv-cache", "omlx", "--kv-cache-config", name]
-
-
-class Server:
-    """``mlx_lm.server`` in a subprocess, its log in ``log``."""
-
-    def __init__(self, model, flags, log, timeout=600):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        hub = tempfile.mkdtemp(prefix="omlx-loadbench-hub-")
-        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=hub)
-        if OPENBLAS.exists() and sys.platform == "linux":
-            env.setdefault("LD_PRELOAD", str(OPENBLAS))
-        command = [sys.executable, "-m", "mlx_lm.server", "--model", str(model)]
-        command += ["--host", "127.0.0.1", "--port", str(self.port), *flags]
-        self.log = open(log, "w")  # noqa: SIM115 (closed by close())
-        self.proc = subprocess.Popen(
-            command, env=env, stdout=self.log, stderr=subprocess.STDOUT
-        )
-        self._wait(timeout)
-
-    def _wait(self, timeout):
-        import requests
-
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {Path(self.log.name).read_text()}")
-            try:
-                if requests.get(f"{self.url}/health", timeout=1).ok:
-                    return
-            except requests.ConnectionError:
-                time.sleep(0.5)
-        raise RuntimeError(f"server did not start within {timeout} s")
-
-    def peak_rss_bytes(self):
-        """The server process's peak resident memory (Linux), or None."""
-        try:
-            status = Path(f"/proc/{self.proc.pid}/status").read_text()
-        except OSError:
-            return None
-        for line in status.splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
+def peak_rss_bytes(pid: int):
+    """A process's peak resident memory (Linux), or None."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
         return None
-
-    def close(self):
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
-        self.log.close()
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None
 
 
 def make_requests(tokenizer, text, n, lengths, shared, seed=0):
@@ -147,10 +93,13 @@ def _percentile(values, q):
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def run_scheme(model, name, requests, opts, log):
+def run_scheme(model, name, requests, opts, log_dir):
     import openai
 
-    server = Server(model, _scheme_flags(name), log)
+    # an empty hub: /v1/models lists the model served only
+    hub = tempfile.mkdtemp(prefix="omlx-loadbench-hub-")
+    env = {"HF_HUB_CACHE": hub}
+    server = Server(model, log_dir, *server_args(name), env=env, timeout=600)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
     results, failed, failed_alone = [None] * len(requests), [], []
     done = 0
@@ -189,9 +138,9 @@ def run_scheme(model, name, requests, opts, log):
             same = sum(
                 r is not None and r[0] == a for r, a in zip(results, alone, strict=True)
             )
-        peak = server.peak_rss_bytes()
+        peak = peak_rss_bytes(server.proc.pid)
     finally:
-        server.close()
+        server.stop()
     ok = [r for r in results if r is not None]
     firsts = [r[1] for r in ok if r[1] is not None]
     pieces = sum(r[2] for r in ok)
@@ -284,20 +233,12 @@ _positive = _checked(int, lambda n: n >= 1, "a whole number, 1 or more")
 _share = _checked(float, lambda x: 0 <= x <= 1, "a share, 0 to 1")
 
 
-def _scheme(text):
-    try:
-        KVSpec.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return text
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(
         prog="python -m omlx_cache loadbench", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--model", required=True)
-    parser.add_argument("--kv", action="append", type=_scheme, help="a scheme (repeat)")
+    parser.add_argument("--kv", action="append", type=scheme, help="a scheme (repeat)")
     parser.add_argument("--clients", type=_positive, default=16)
     parser.add_argument("--requests", type=_positive, default=32)
     parser.add_argument("--lengths", type=_lengths, default=[256, 1024])
@@ -322,8 +263,7 @@ def main(argv=None):
     out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for name in opts.kv or ["fp16"]:
-        log = out.with_name(f"{out.stem}-{len(rows)}.log")
-        rows.append(run_scheme(opts.model, name, requests, opts, log))
+        rows.append(run_scheme(opts.model, name, requests, opts, out.parent))
         print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     record = {
         "model": opts.model,

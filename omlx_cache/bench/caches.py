@@ -70,13 +70,7 @@ def page_size(size: int | None):
 
 
 def _stores(spec: KVSpec, n_layers: int, make):
-    return [
-        make(
-            *(spec.more_codecs() if i in spec.layers else spec.codecs()),
-            **spec.settings(),
-        )
-        for i in range(n_layers)
-    ]
+    return [make(*spec.codecs_of(i), **spec.settings()) for i in range(n_layers)]
 
 
 def make_cache(

@@ -243,6 +243,10 @@ class KVSpec:
         bits = bits or self.bits
         return self._codec(0, bits[0]), self._codec(1, bits[1])
 
+    def codecs_of(self, layer: int):
+        """The (key, value) codecs the scheme asks for layer ``layer``."""
+        return self.more_codecs() if layer in self.layers else self.codecs()
+
     def more_codecs(self):
         """The (key, value) codecs of the layers ``more`` names."""
         part = self.more.rstrip("0123456789")
@@ -296,12 +300,7 @@ class KVSpec:
     def _stores(self, caches, lists=True) -> list:
         """The model's caches, those with a quantized form as stores (inside
         a ``CacheList`` too, with ``lists``)."""
-        return [
-            self._store(
-                c, self.more_codecs() if i in self.layers else self.codecs(), lists
-            )
-            for i, c in enumerate(caches)
-        ]
+        return [self._store(c, self.codecs_of(i), lists) for i, c in enumerate(caches)]
 
     def _store(self, c, codecs, lists=True):
         from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
@@ -357,9 +356,8 @@ class KVSpec:
         """The (key, value) codecs layer ``layer`` of ``shape`` stores with: a
         head dim a codec cannot store gets a group size that divides it, else
         is stored unquantized (``codecs.for_dim``)."""
-        codecs = self.more_codecs() if layer in self.layers else self.codecs()
         dims = (shape.key_dim, shape.value_dim)
-        return tuple(for_dim(c, dim) for c, dim in zip(codecs, dims))
+        return tuple(for_dim(c, dim) for c, dim in zip(self.codecs_of(layer), dims))
 
     def quantized_layers(self, shapes) -> int:
         """Layers of ``shapes`` (None: no quantized form) a part of which is
@@ -377,7 +375,7 @@ class KVSpec:
         for i, shape in enumerate(shapes):
             if shape is None:
                 continue
-            asked = self.more_codecs() if i in self.layers else self.codecs()
+            asked = self.codecs_of(i)
             dims = (shape.key_dim, shape.value_dim)
             stored = self.layer_codecs(shape, i)
             for part, c, got, dim in zip(("keys", "values"), asked, stored, dims):

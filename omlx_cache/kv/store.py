@@ -540,7 +540,7 @@ class KVStore:
         from_pages = min(count - n_held, self._written - self.dropped)
         # rows before the pages: first tokens a sequence holds in its first
         # span only
-        before = self._first_skip() if self.dropped == self._first_skip() else 0
+        before = self._front()
         from_first = min(count - n_held - max(from_pages, 0), before)
         if count <= 0 or (n_held == 0 and from_pages <= 0 and from_first <= 0):
             return None
@@ -675,11 +675,9 @@ class KVStore:
                 for x, y in zip(held, last)
             ]
         if not spans.rotated:
-            held = [rotate(x, c.rotation) for x, c in zip(held, self._codecs())]
+            codecs = (self.key_codec, self.value_codec)
+            held = [rotate(x, c.rotation) for x, c in zip(held, codecs)]
         return tuple(held)
-
-    def _codecs(self):
-        return self.key_codec, self.value_codec
 
     def dequantized(self):
         """(keys, values) (B, n_kv_heads, rows, D) as the model made them, the
@@ -692,7 +690,8 @@ class KVStore:
         parts = []
         front = self._front()
         if front and spans.first_keys is not None:
-            parts.append(tuple(x[:, :, :front] for x in self._first_span()))
+            first = (spans.first_keys, spans.first_values)
+            parts.append(tuple(x[:, :, :front] for x in first))
         for part in (self._decoded_pages(dtype), self._held()):
             if part is not None:
                 parts.append(part)
@@ -713,9 +712,6 @@ class KVStore:
         if len(out) == 1:
             return out[0]
         return tuple(mx.concatenate(xs, axis=2) for xs in zip(*out))
-
-    def _first_span(self):
-        return self.spans.first_keys, self.spans.first_values
 
     def keys_and_values(self):
         """The encoded keys and values of the pages, one tuple each (a copy
