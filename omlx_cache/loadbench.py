@@ -7,7 +7,8 @@ through the ``openai`` client: prompts cut from ``--text`` to token lengths
 drawn from ``--lengths``, a share of them (``--shared``) after one long
 system prompt, greedy. Reported per scheme: time to first token (p50, p95),
 completion tokens per second over the run, requests completed and failed,
-the server's peak resident memory, and with ``--check`` how many answers
+the server's peak resident memory (and GPU memory, where ``nvidia-smi``
+reports it), and with ``--check`` how many answers
 equal the same prompt's asked alone afterwards.
 
     python -m omlx_cache loadbench --model models/SmolLM2-135M-Instruct-f32 \\
@@ -19,8 +20,11 @@ import argparse
 import concurrent.futures
 import json
 import random
+import shutil
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -41,6 +45,36 @@ def peak_rss_bytes(pid: int):
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+class GpuPeak:
+    """The most GPU memory ``nvidia-smi`` reports for a process, sampled
+    twice a second while the run lasts (``peak`` None without nvidia-smi)."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peak = pid, None
+        self._stop = threading.Event()
+        self._thread = None
+        if shutil.which("nvidia-smi"):
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+
+    def _sample(self):
+        query = ["nvidia-smi", "--query-compute-apps=pid,used_memory"]
+        query += ["--format=csv,noheader,nounits"]
+        while not self._stop.wait(0.5):
+            run = subprocess.run(query, check=False, capture_output=True, text=True)
+            out = run.stdout
+            for line in out.splitlines():
+                pid, mib = (x.strip() for x in line.split(","))
+                if pid == str(self.pid) and mib.isdigit():
+                    self.peak = max(self.peak or 0, int(mib) * 2**20)
+
+    def stop(self):
+        self._stop.set()
+        if self._thread:
+            self._thread.join()
+        return self.peak
 
 
 def make_requests(tokenizer, text, n, lengths, shared, seed=0):
@@ -101,6 +135,7 @@ def run_scheme(model, name, requests, opts, log_dir):
     env = {"HF_HUB_CACHE": hub}
     server = Server(model, log_dir, *server_args(name), env=env, timeout=600)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+    gpu = GpuPeak(server.proc.pid)
     results, failed, failed_alone = [None] * len(requests), [], []
     done = 0
     began = time.perf_counter()
@@ -140,6 +175,7 @@ def run_scheme(model, name, requests, opts, log_dir):
             )
         peak = peak_rss_bytes(server.proc.pid)
     finally:
+        gpu_peak = gpu.stop()
         server.stop()
     ok = [r for r in results if r is not None]
     firsts = [r[1] for r in ok if r[1] is not None]
@@ -156,6 +192,7 @@ def run_scheme(model, name, requests, opts, log_dir):
         "completion_tok_s": pieces / wall,
         "wall_s": wall,
         "server_peak_rss_gib": peak / 2**30 if peak else None,
+        "server_peak_gpu_gib": gpu_peak / 2**30 if gpu_peak else None,
         "same_as_alone": same,
         "answers": [r[0] if r else None for r in results],
     }
@@ -182,12 +219,17 @@ def plot(rows, path):
 
 
 def table(rows) -> str:
+    # the GPU's memory where nvidia-smi reported it, else the resident memory
+    gpu = any(r.get("server_peak_gpu_gib") for r in rows)
+    key = "server_peak_gpu_gib" if gpu else "server_peak_rss_gib"
     lines = [
-        "| KV | completed | failed | TTFT p50 | TTFT p95 | completion tok/s | peak RSS GiB | same as alone |",
+        "| KV | completed | failed | TTFT p50 | TTFT p95 | completion tok/s | "
+        + ("peak GPU GiB" if gpu else "peak RSS GiB")
+        + " | same as alone |",
         "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        peak = f"{r['server_peak_rss_gib']:.2f}" if r["server_peak_rss_gib"] else "—"
+        peak = f"{r[key]:.2f}" if r.get(key) else "—"
         same = (
             "—"
             if r["same_as_alone"] is None

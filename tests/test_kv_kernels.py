@@ -510,6 +510,20 @@ AFFINE_PREFILL = {
         (6,),
         3,
     ),
+    # as the server prefills: each sequence's first tokens after its own
+    # padding (None: one row per sequence), in the pages or held
+    "batch-unequal": (
+        lambda: BatchKVStore([3, 11], Affine(8, 64, "hadamard"), first=8),
+        (40, 20),
+        None,
+    ),
+    "batch-unequal-held": (
+        lambda: BatchKVStore(
+            [0, 21], Affine(4, 64, "hadamard"), center="kv", first=8, recent=16
+        ),
+        (12, 20),
+        None,
+    ),
 }
 
 
@@ -523,11 +537,15 @@ def test_decoded_prefill_takes_first_tokens_outside_the_pages(case):
     make, lengths, first = AFFINE_PREFILL[case]
     s = make()
     queries, mask, call = prefilled(s, lengths, 20, seed=len(case))
-    exact = first_as_int(call)
-    assert exact[2] == first and exact[3] == s.spans.first
+    if first is None:
+        exact = tuple(call.first[:4])
+        assert exact[2].tolist() == s.left_padding.tolist()
+    else:
+        exact = first_as_int(call)
+        assert exact[2] == first and exact[3] == s.spans.first
     recent = call.recent
     held = None if recent is None else (recent.keys, recent.values, recent.count)
-    assert (held is not None) == (case == "outside-held")
+    assert (held is not None) == case.endswith("-held")
     k, v = s.key_codec, s.value_codec
     out = affine_prefill.decoded_attention(
         call.rotated_queries(),

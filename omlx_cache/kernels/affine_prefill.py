@@ -487,24 +487,20 @@ def decodes(
 ):
     """Whether this prefill call attends over dequantized copies of the keys
     and values (``decoded_attention``): on CUDA, several half-precision
-    queries, no mask or a causal one, kept (``exact``) tokens at the same
-    positions in every sequence, and one KV head's copy of at most
-    ``DECODED_BYTES``."""
+    queries, any mask (a batch's hides its padding), and one KV head's copy of
+    at most ``DECODED_BYTES``."""
     _, _, L, D = queries.shape
     value_head_dim = value_pages[0][0].shape[-1] * 32 // value_bits
     n_keys = length + (held[2] if held else 0)
     if exact is not None and isinstance(exact[2], int):
-        # (a batch's first tokens, one row per sequence, are not taken)
         n_keys += min(exact[3], max(-exact[2], 0))
     return (
         L > 1
         and mx.default_device() == mx.gpu
         and quantized_decode._cuda_available()
         and queries.dtype in (mx.float16, mx.bfloat16)
-        and (mask is None or (isinstance(mask, str) and mask == "causal"))
         and D in DECODED_HEAD_DIMS
         and value_head_dim == D
-        and (exact is None or isinstance(exact[2], int))
         and _head_bytes(queries, n_keys) <= DECODED_BYTES
     )
 
@@ -546,6 +542,18 @@ def _with_kept(x, kept, first, count, length, heads, dtype):
     return x
 
 
+def _with_kept_rows(x, kept, first, count, heads):
+    """``x`` with each sequence's rows ``first[b]`` to ``first[b] + count``
+    (a batch's first tokens, inside its rows) replaced by the kept ones."""
+    offset = mx.arange(x.shape[-2])[None] - first[:, None]
+    inside = ((offset >= 0) & (offset < count))[:, None, :, None]
+    index = mx.clip(offset, 0, count - 1)[:, None, :, None]
+    kept = kept[:, heads, :count]
+    index = mx.broadcast_to(index, (*kept.shape[:2], x.shape[-2], kept.shape[-1]))
+    rows = mx.take_along_axis(kept, index, axis=-2).astype(x.dtype)
+    return mx.where(inside, rows, x)
+
+
 def _with_held(x, held, count, heads, dtype):
     """``x`` (None: no stored rows) followed by the first ``count`` held
     unquantized rows."""
@@ -577,7 +585,9 @@ def decoded_attention(
     n_kv_heads = key_pages[0][0].shape[-3]
     G = queries.shape[1] // n_kv_heads
     n_held = held[2] if held else 0
-    n_before = min(exact[3], max(-exact[2], 0)) if exact is not None else 0
+    n_before = 0
+    if exact is not None and isinstance(exact[2], int):
+        n_before = min(exact[3], max(-exact[2], 0))
     head_bytes = _head_bytes(queries, n_before + length + n_held)
     step = max(1, min(n_kv_heads, DECODED_BYTES // head_bytes))
     outs = []
@@ -593,7 +603,8 @@ def decoded_attention(
             values = _dequantized_pages(
                 value_pages, length, heads, value_group_size, value_bits, queries.dtype
             )
-        if exact is not None:
+        per_sequence = exact is not None and not isinstance(exact[2], int)
+        if exact is not None and not per_sequence:
             kept_keys, kept_values, first, count = exact
             keys, values = (
                 _with_kept(x, kept, first, count, length, heads, queries.dtype)
@@ -602,6 +613,12 @@ def decoded_attention(
         if held:
             keys = _with_held(keys, held[0], n_held, heads, queries.dtype)
             values = _with_held(values, held[1], n_held, heads, queries.dtype)
+        if per_sequence and keys is not None:
+            # a batch's first tokens are in its rows (pages or held), each
+            # sequence's after its own padding
+            kept_keys, kept_values, first, count = exact
+            keys = _with_kept_rows(keys, kept_keys, first, count, heads)
+            values = _with_kept_rows(values, kept_values, first, count, heads)
         outs.append(
             mx.fast.scaled_dot_product_attention(
                 queries[:, heads.start * G : heads.stop * G],
