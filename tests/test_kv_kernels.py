@@ -567,6 +567,22 @@ def test_decoded_prefill_takes_first_tokens_outside_the_pages(case):
     assert relative_error(call.finish(out)[:, :, rows], want[:, :, rows]) < 1e-5
 
 
+def test_decoded_prefill_in_blocks_of_queries(monkeypatch):
+    """With a batch's array mask the scores are materialised: the queries
+    go in blocks (here of 3 rows), with the same result."""
+    s = BatchKVStore([3, 11], Affine(4, 64, "hadamard"), first=8)
+    *_, call = prefilled(s, (40, 20), 20, seed=5)
+    k, v = s.key_codec, s.value_codec
+    args = (call.rotated_queries(), call.key_pages, call.value_pages, call.scale)
+    args += (call.length, k.group_size, k.bits, v.group_size, v.bits)
+    exact = tuple(call.first[:4])
+    whole = affine_prefill.decoded_attention(*args, mask=call.mask, exact=exact)
+    monkeypatch.setattr(affine_prefill, "DECODED_SCORES", 3 * 2 * 6 * 60)
+    blocks = affine_prefill.decoded_attention(*args, mask=call.mask, exact=exact)
+    rows = past_padding(s, 20)
+    assert relative_error(blocks[:, :, rows], whole[:, :, rows]) < 1e-6
+
+
 def test_affine_decode_helpers():
     assert affine_decode._mask_kind(None, 2, 10) == 0
     assert affine_decode._mask_kind("causal", 2, 10) == 0

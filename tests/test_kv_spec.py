@@ -55,7 +55,7 @@ def test_presets_can_be_changed_by_items():
     spec = KVSpec.parse("q4 first=16 recent=0")
     base = KVSpec.parse("q4")
     assert (spec.first, spec.recent, base.first, base.recent) == (16, 0, 8, 72)
-    assert spec.bits == base.bits == (4, 3) and spec.group == (64, 32)
+    assert spec.bits == base.bits == (4, 4) and spec.group == (64, 64)
     assert KVSpec.parse("cq4 fit=4.2").fit == 4.2
     assert KVSpec.parse("  cq4   first=4 ") == KVSpec.parse("cq4 first=4")
     for name in PRESETS:
@@ -394,7 +394,7 @@ def test_make_cache_for_smollm2(smollm2_f32):
     assert all(c.window is None and c.page_size == 4096 for c in caches)
     assert caches[0].key_codec == Affine(8, 64, "hadamard")
     assert caches[1].key_codec == Affine(4, 64, "hadamard")
-    assert {c.value_codec for c in caches} == {Affine(3, 32, "hadamard")}
+    assert {c.value_codec for c in caches} == {Affine(4, 64, "hadamard")}
     s = caches[5].settings
     assert (s["center"], s["key_scale"], s["first"], s["recent"]) == ("k", "qk", 8, 72)
     # --max-kv-size: every layer bounded, its 4 sinks kept, no residual

@@ -1669,3 +1669,28 @@ def test_real_model_logits_unchanged_through_chunks(chunk_runs, scheme):
             assert run["max_abs"] <= 3 and run["vs_one"] <= 0.15, way
     if scheme == "q4":
         assert all(runs[way]["vs_fp16"] < 1e-5 for way in runs["equal"] + runs["near"])
+
+
+def test_bytes_per_token_is_what_a_token_takes_in_the_pages():
+    """What the server's KV cache budget counts (``mlx_lm.server``'s
+    ``kv_bytes_per_token``): a token's codes, scales and biases, per
+    sequence, whatever the page size and the first tokens kept."""
+    from mlx_lm.server import kv_bytes_per_token
+
+    s = KVStore(Affine(8), Affine(4), first=16)
+    assert s.bytes_per_token is None
+    s.update_and_fetch(*random_kv(1, 2, 100, 64, seed=1))
+    # 2 heads: 8-bit keys 64 bytes, 4-bit values 32, each a float32 scale
+    # and bias a group of 64
+    assert s.bytes_per_token == 2 * (64 + 32 + 2 * 2 * 4)
+    batch = BatchKVStore([0, 3], Affine(8), Affine(4))
+    batch.update_and_fetch(*random_kv(2, 2, 20, 64, seed=2))
+    assert batch.bytes_per_token == s.bytes_per_token
+    model = make_model()
+    spec = KVSpec.parse("bits=8,4")
+    per_token = kv_bytes_per_token(model, spec.make_cache(model))
+    layers, heads, dim = (
+        CONFIG[k] for k in ("num_hidden_layers", "num_key_value_heads", "head_dim")
+    )
+    groups = 2 * dim // 64  # keys' and values' groups of 64
+    assert per_token == layers * heads * (dim + dim // 2 + groups * 2 * 4)

@@ -47,9 +47,14 @@ def free_port():
 OPENBLAS = Path("/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0")
 
 
+# each server's log, by its URL
+LOGS = {}
+
+
 def start_server(model_dir, hub, *extra):
     """The server as `make serve` runs it, on a free port; yields its URL."""
     port = free_port()
+    LOGS[f"http://127.0.0.1:{port}"] = hub / f"server-{port}.log"
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(hub))
     if OPENBLAS.exists():
         env["LD_PRELOAD"] = str(OPENBLAS)
@@ -371,3 +376,24 @@ def test_bad_kv_cache_flags_are_named(smollm2_dirs, tmp_path, flags, error):
     assert done.returncode == 2, done.stderr
     assert error in done.stderr
     assert "Traceback" not in done.stderr and "Starting httpd" not in done.stderr
+
+
+def test_kv_cache_budget_refuses_what_never_fits(fresh_server):
+    # SmolLM2 float32 caches take 46,080 bytes a token: 2.5 MB hold one of
+    # these requests (about 36 prompt tokens and 12 more) at a time, so the
+    # others wait for it to finish; a 600-token prompt can never fit
+    url = fresh_server("--kv-cache-budget", "2.5MB")
+    alone = [ask(url, q) for q in QUESTIONS]
+    long_prompt = " ".join(["The sky is blue."] * 120)
+    refused = requests.post(
+        f"{url}/v1/chat/completions", json=chat_request(long_prompt), timeout=300
+    )
+    assert refused.status_code == 413
+    error = refused.json()["error"]
+    assert "more than the server's budget of 2.5 MB (--kv-cache-budget)" in error
+    with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        together = list(pool.map(lambda q: ask(url, q), QUESTIONS))
+    assert together == alone and "Paris" in alone[0]
+    log = LOGS[url].read_text()
+    assert "KV cache budget: 2.5 MB, 46,080 bytes per token" in log
+    assert "A request waits for KV cache memory" in log

@@ -39,6 +39,10 @@ MAX_PAGES = 32
 # takes more, the fused kernel runs. 0: always the fused kernel.
 DECODED_BYTES = 1 << 28
 DECODED_HEAD_DIMS = (64, 128)
+# A batch's prefill (an array mask hides its padding) materialises the scores:
+# at most this many a call (1 GiB in float32; 4 x 32K prompts ran out of
+# memory on an H200 without it).
+DECODED_SCORES = 1 << 28
 
 _HEADER = (
     quantized_decode._HEADER
@@ -620,18 +624,42 @@ def decoded_attention(
             keys = _with_kept_rows(keys, kept_keys, first, count, heads)
             values = _with_kept_rows(values, kept_values, first, count, heads)
         outs.append(
-            mx.fast.scaled_dot_product_attention(
-                queries[:, heads.start * G : heads.stop * G],
-                keys,
-                values,
-                scale=scale,
-                mask=mask,
+            _attention_in_blocks(
+                queries[:, heads.start * G : heads.stop * G], keys, values, scale, mask
             )
         )
         if step < n_kv_heads:
             # else MLX dequantizes every slice before the first attention
             mx.eval(outs[-1])
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
+
+
+def _attention_in_blocks(queries, keys, values, scale, mask):
+    """``mx.fast.scaled_dot_product_attention``; with an array mask (no fused
+    kernel takes one: the scores are materialised) the queries go in blocks
+    of rows whose scores take at most ``DECODED_SCORES`` elements."""
+    B, n_heads, L, _ = queries.shape
+    rows = L
+    if isinstance(mask, mx.array):
+        rows = max(1, DECODED_SCORES // (B * n_heads * keys.shape[-2]))
+    if rows >= L:
+        return mx.fast.scaled_dot_product_attention(
+            queries, keys, values, scale=scale, mask=mask
+        )
+    outs = []
+    for start in range(0, L, rows):
+        block = mask[..., start : start + rows, :] if mask.shape[-2] > 1 else mask
+        outs.append(
+            mx.fast.scaled_dot_product_attention(
+                queries[:, :, start : start + rows],
+                keys,
+                values,
+                scale=scale,
+                mask=block,
+            )
+        )
+        mx.eval(outs[-1])
+    return mx.concatenate(outs, axis=2)
 
 
 def quantized_prefill_attention(

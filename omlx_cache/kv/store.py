@@ -731,6 +731,16 @@ class KVStore:
         return pages + self.spans.nbytes + self.transform.nbytes
 
     @property
+    def bytes_per_token(self):
+        """Bytes a sequence's token takes in the pages (None before the first
+        write): what the server's KV cache budget counts (``nbytes`` holds
+        whole pages and the first tokens)."""
+        if not self.key_pages:
+            return None
+        page = (*self.key_pages[0], *self.value_pages[0])
+        return sum(x.nbytes / x.shape[-2] for x in page) / page[0].shape[0]
+
+    @property
     def state(self):
         # a kernel's held decode tokens go to the pages: a state does not say
         # in which domain they are held (``kernels.Hold.rotated``), and a
