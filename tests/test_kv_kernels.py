@@ -567,6 +567,61 @@ def test_decoded_prefill_takes_first_tokens_outside_the_pages(case):
     assert relative_error(call.finish(out)[:, :, rows], want[:, :, rows]) < 1e-5
 
 
+@pytest.mark.parametrize("center", ["", "k"])
+def test_decoded_prefill_takes_sinks(center):
+    """Attention sinks (GPT-OSS) through the prefill over dequantized copies
+    (``kernels._prefill``'s arguments: centered keys get their mean back so
+    that a sink's logit meets the keys' own scores), as the MLX-ops loop."""
+    codecs = (Affine(8, 64, "hadamard"), Affine(4, 64, "hadamard"))
+    s = KVStore(*codecs, center=center, first=8)
+    s.update_and_fetch(*random_kv(1, 2, 60, 64, seed=3, offset=2))
+    queries = mx.random.normal((1, 6, 20, 64))
+    sinks = mx.random.normal((6,)) * 3
+    made = []
+    kernels.register_attention(
+        Kernel("test-capture", lambda call: made.append(call) or False, None)
+    )
+    try:
+        want = s.scaled_dot_product_attention(
+            queries, None, None, 0.125, "causal", sinks
+        )
+    finally:
+        unregister("test-capture")
+    call = made[0]
+    assert backend._prefill_path(call) is None  # (no CUDA here)
+    k, v = s.key_codec, s.value_codec
+    out = affine_prefill.decoded_attention(
+        call.rotated_queries(),
+        call.key_pages,
+        call.value_pages,
+        call.scale,
+        call.length,
+        k.group_size,
+        k.bits,
+        v.group_size,
+        v.bits,
+        mask="causal",
+        exact=backend._first(call),
+        sinks=call.sinks,
+        key_shift=backend._key_shift(call),
+    )
+    assert relative_error(call.finish(out), want) < 1e-5
+    without = affine_prefill.decoded_attention(
+        call.rotated_queries(),
+        call.key_pages,
+        call.value_pages,
+        call.scale,
+        call.length,
+        k.group_size,
+        k.bits,
+        v.group_size,
+        v.bits,
+        mask="causal",
+        exact=backend._first(call),
+    )
+    assert relative_error(call.finish(without), want) > 1e-3
+
+
 def test_decoded_prefill_in_blocks_of_queries(monkeypatch):
     """With a batch's array mask the scores are materialised: the queries
     go in blocks (here of 3 rows), with the same result."""

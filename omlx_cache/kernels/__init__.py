@@ -16,18 +16,20 @@ import mlx.core as mx
 
 from ..kv.codecs import Affine
 from ..kv.kernels import Hold, Kernel, register_attention, register_encoder
+from ..kv.rotation import rotate
 from . import affine_decode, affine_prefill
 from . import codebook as codebook_kernel
 
 
-def _affine(call) -> bool:
+def _affine(call, sinks=False) -> bool:
     """Whether a call's codecs are both affine and nothing bars the kernels:
-    sinks, or first tokens whose visibility the mask does not give."""
+    sinks (unless ``sinks``), or first tokens whose visibility the mask does
+    not give."""
     return (
         bool(call.key_pages)
         and isinstance(call.key_codec, Affine)
         and isinstance(call.value_codec, Affine)
-        and call.sinks is None
+        and (sinks or call.sinks is None)
         and (call.first is None or call.first.mask is None)
         and (call.recent is None or call.recent.rotated)
     )
@@ -117,8 +119,9 @@ def _affine_hold(keys, values, key_codec, value_codec):
 
 
 def _prefill_path(call):
-    """The prefill kernel that takes this call, or None."""
-    if not _affine(call) or call.queries.shape[2] == 1:
+    """The prefill kernel that takes this call, or None (sinks: the
+    dequantized copies only)."""
+    if not _affine(call, sinks=True) or call.queries.shape[2] == 1:
         return None
     args = (call.queries, call.mask, call.key_pages, call.value_pages)
     bits = (call.key_codec.bits, call.value_codec.bits)
@@ -127,10 +130,23 @@ def _prefill_path(call):
     if (
         call.first is None
         and call.recent is None
+        and call.sinks is None
         and affine_prefill.applies(*args, *bits, call.length)
     ):
         return affine_prefill.quantized_prefill_attention
     return None
+
+
+def _key_shift(call):
+    """What centering took from the keys, as the copies hold them (rotated,
+    weighted): added back where sinks are attended, since a sink's logit is
+    against the keys as the model made them. None without centering."""
+    if call.key_mean is None:
+        return None
+    mean = call.key_mean
+    if call.key_weights is not None:
+        mean = mean * call.key_weights
+    return rotate(mean, call.key_codec.rotation).astype(call.queries.dtype)
 
 
 def _prefill(call):
@@ -138,6 +154,8 @@ def _prefill(call):
     extra = {}
     if prefill is affine_prefill.decoded_attention:
         extra = {"exact": _first(call), "held": _held(call)}
+        if call.sinks is not None:
+            extra.update(sinks=call.sinks, key_shift=_key_shift(call))
     out = prefill(
         call.rotated_queries(),
         call.key_pages,

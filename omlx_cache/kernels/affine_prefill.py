@@ -580,12 +580,16 @@ def decoded_attention(
     mask=None,
     exact=None,
     held=None,
+    sinks=None,
+    key_shift=None,
 ):
     """Attention of ``queries`` over the first ``length`` keys and values,
     dequantized to the queries' type a few KV heads at a time (see
     ``DECODED_BYTES``), the ``exact`` (kept) ones read unquantized and the
     ``held`` ones after them; arguments as in ``quantized_prefill_attention``
-    and ``base.quantized_scaled_dot_product_attention``."""
+    and ``base.quantized_scaled_dot_product_attention``. ``sinks``: a logit
+    per query head; ``key_shift`` (B, n_kv_heads, 1, D): added to every key
+    (what centering took) so that the sinks see the keys' own scores."""
     n_kv_heads = key_pages[0][0].shape[-3]
     G = queries.shape[1] // n_kv_heads
     n_held = held[2] if held else 0
@@ -623,9 +627,17 @@ def decoded_attention(
             kept_keys, kept_values, first, count = exact
             keys = _with_kept_rows(keys, kept_keys, first, count, heads)
             values = _with_kept_rows(values, kept_values, first, count, heads)
+        if key_shift is not None:
+            keys = keys + key_shift[:, heads]
+        q_heads = slice(heads.start * G, heads.stop * G)
         outs.append(
             _attention_in_blocks(
-                queries[:, heads.start * G : heads.stop * G], keys, values, scale, mask
+                queries[:, q_heads],
+                keys,
+                values,
+                scale,
+                mask,
+                None if sinks is None else sinks[q_heads],
             )
         )
         if step < n_kv_heads:
@@ -634,7 +646,7 @@ def decoded_attention(
     return outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=1)
 
 
-def _attention_in_blocks(queries, keys, values, scale, mask):
+def _attention_in_blocks(queries, keys, values, scale, mask, sinks=None):
     """``mx.fast.scaled_dot_product_attention``; with an array mask (no fused
     kernel takes one: the scores are materialised) the queries go in blocks
     of rows whose scores take at most ``DECODED_SCORES`` elements."""
@@ -644,7 +656,7 @@ def _attention_in_blocks(queries, keys, values, scale, mask):
         rows = max(1, DECODED_SCORES // (B * n_heads * keys.shape[-2]))
     if rows >= L:
         return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask
+            queries, keys, values, scale=scale, mask=mask, sinks=sinks
         )
     outs = []
     for start in range(0, L, rows):
@@ -656,6 +668,7 @@ def _attention_in_blocks(queries, keys, values, scale, mask):
                 values,
                 scale=scale,
                 mask=block,
+                sinks=sinks,
             )
         )
         mx.eval(outs[-1])
