@@ -17,7 +17,7 @@ bits per element and the bytes per token of the scheme.
 import sys
 
 from . import fit
-from .kv.spec import AVERAGE_CONTEXT, KVSpec, layer_shapes
+from .kv.spec import AVERAGE_CONTEXT, KVSpec, layer_ranges, layer_shapes
 
 
 def _pair(value) -> str:
@@ -64,7 +64,7 @@ def spec_from_args(args) -> KVSpec:
 
 def describe(spec: KVSpec, model, max_kv_size=None) -> str:
     """One line: the layers quantized, bits per element, bytes per token."""
-    shapes = layer_shapes(model, max_kv_size)
+    shapes = spec.stored_shapes(model, max_kv_size)
     quantized = spec.quantized_layers(shapes)
     footprint = spec.footprint(shapes, AVERAGE_CONTEXT)
     line = (
@@ -72,7 +72,18 @@ def describe(spec: KVSpec, model, max_kv_size=None) -> str:
         f"quantized, {footprint['bits_per_element']:.2f} bits per element, "
         f"{footprint['bytes_per_token']:,.0f} bytes per token at {AVERAGE_CONTEXT} tokens"
     )
-    return "\n".join([line, *(f"omlx_cache: {n}" for n in spec.fitted_dims(shapes))])
+    notes = spec.fitted_dims(shapes)
+    bounded = [
+        i
+        for i, (kept, own) in enumerate(zip(shapes, layer_shapes(model, max_kv_size)))
+        if kept is None and own is not None
+    ]
+    if bounded:
+        notes.append(
+            f"bounded layers {layer_ranges(bounded)} keep the model's own caches (it reads "
+            "its keys itself, and a quantized window's rows do not carry its sinks)"
+        )
+    return "\n".join([line, *(f"omlx_cache: {n}" for n in notes)])
 
 
 def from_args(args):

@@ -12,6 +12,7 @@ this subclass runs the check there instead. Models over ``MAX_PARAMETERS``
 """
 
 import sys
+import tempfile
 import unittest
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import mlx.core as mx
 import mlx_lm
 import pytest
 from mlx.utils import tree_flatten, tree_map
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.generate import BatchGenerator, generate_step
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache, save_prompt_cache
 
 from omlx_cache.kv.spec import KVSpec, layer_shapes, stores
 
@@ -62,11 +64,71 @@ def _quantized_dims(shapes):
     }
 
 
-def _logits(model, cache, tokens):
-    out = [model(tokens[:, :9], cache=cache)[:, -1]]
-    for i in range(9, tokens.shape[1]):
+def _logits(model, cache, tokens, start=0):
+    out = [model(tokens[:, start:9], cache=cache)[:, -1]] if start < 9 else []
+    for i in range(max(start, 9), tokens.shape[1]):
         out.append(model(tokens[:, i : i + 1], cache=cache)[:, -1])
     return mx.stack(out, axis=1)
+
+
+def _relative(got, want):
+    finite = mx.isfinite(want)
+    error = mx.where(finite, mx.abs(got - want), 0).max().item()
+    return error / (mx.where(finite, mx.abs(want), 0).max().item() or 1)
+
+
+def _own(model, max_kv_size=None):
+    return make_prompt_cache(model, max_kv_size)
+
+
+def _window(model, tokens):
+    """``--max-kv-size 16``, 24 tokens: the stores' window against the same
+    window unquantized (``bits=16``; the model's own bounded caches let a
+    prefill chunk longer than the window see all of itself, the stores do
+    not)."""
+    tokens = mx.concatenate([tokens, tokens[:, :11]], axis=1)
+    want = _logits(model, KVSpec.parse("bits=16").make_cache(model, 16), tokens)
+    return _relative(_logits(model, SPEC.make_cache(model, 16), tokens), want)
+
+
+def _saved(model, tokens, path, make=None):
+    """The caches saved after the prompt and loaded: the decode logits as
+    without the round trip."""
+    make = make or SPEC.make_cache
+    want = _logits(model, make(model), tokens)[:, 1:]
+    cache = make(model)
+    model(tokens[:, :9], cache=cache)
+    save_prompt_cache(str(path), cache)
+    return _relative(_logits(model, load_prompt_cache(str(path)), tokens, 9), want)
+
+
+def _batched(model, tokens, make=None):
+    """Two prompts (9 and 6 tokens) served together by ``BatchGenerator``, as
+    the server serves them: whether each gets the greedy tokens it gets
+    alone."""
+    make = make or SPEC.make_cache
+    prompts = [tokens[0, :9].tolist(), tokens[0, 3:9].tolist()]
+    alone = []
+    for prompt in prompts:
+        steps = generate_step(
+            mx.array(prompt), model, max_tokens=4, prompt_cache=make(model)
+        )
+        alone.append([int(token) for token, _ in steps])
+    gen = BatchGenerator(model, max_tokens=4, completion_batch_size=2)
+    uids = gen.insert(prompts, caches=[make(model) for _ in prompts])
+    got = {uid: [] for uid in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            got[r.uid].append(r.token)
+    gen.close()
+    return [got[uid] for uid in uids] == alone
+
+
+def _outcome(run):
+    try:
+        return run()
+    except Exception as e:  # noqa: BLE001 (a path's failure is its result)
+        return f"{type(e).__name__}: {e}".splitlines()[0][:100]
 
 
 class Architectures(test_models.TestModels):
@@ -128,8 +190,35 @@ class Architectures(test_models.TestModels):
             error / (scale or 1),
             sorted(kinds - QUANTIZED_KINDS - STATE_KINDS),
             unquantized,
+            self._paths(model, tokens),
         )
         self.assertLessEqual(error, TOLERANCE * scale, model_type)
+
+    def _paths(self, model, tokens):
+        """The other paths a user runs: a bounded window, the server's batch,
+        a saved and loaded cache; each its error (batch: whether its tokens
+        are each prompt's alone) or why it failed."""
+        paths = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            file = Path(tmp) / "c.safetensors"
+            for name, run, own in (
+                ("window", lambda: _window(model, tokens), None),
+                (
+                    "batch",
+                    lambda: _batched(model, tokens),
+                    lambda: _batched(model, tokens, _own),
+                ),
+                (
+                    "saved",
+                    lambda: _saved(model, tokens, file),
+                    lambda: _saved(model, tokens, file, _own),
+                ),
+            ):
+                paths[name] = _outcome(run)
+                if own and (paths[name] is False or isinstance(paths[name], str)):
+                    # what the model's own caches do on the same path
+                    paths[name] = (paths[name], _outcome(own))
+        return paths
 
 
 def _cases():
@@ -160,6 +249,26 @@ def test_architecture(name):
         pytest.skip(result.skipped[0][1])
 
 
+def _path_cells(paths) -> str:
+    cells = []
+    for name in ("window", "batch", "saved"):
+        value, own = (
+            paths[name] if isinstance(paths[name], tuple) else (paths[name], None)
+        )
+        if value is True:
+            cells.append("as alone")
+        elif isinstance(value, float):
+            cells.append(f"within {value:.3f}")
+        else:
+            cell = "tokens differ from alone" if value is False else f"fails: {value}"
+            if own == value or (isinstance(own, str) and isinstance(value, str)):
+                cell += " (so do the model's own caches)"
+            elif own is True or isinstance(own, float):
+                cell += " (not with the model's own caches)"
+            cells.append(cell)
+    return " | ".join(cells)
+
+
 def table() -> str:
     """The markdown table of docs/architectures.md: each architecture, its
     attention layers quantized and its worst logit error against fp16's."""
@@ -172,8 +281,9 @@ def table() -> str:
         elif isinstance(result, str):
             cell = f"fails: {EXPECTED.get(model, result.splitlines()[0])}"
         else:
-            quantized, attention, error, others, small = result
+            quantized, attention, error, others, small, paths = result
             cell = f"{quantized} of {attention} quantized, logits within {error:.3f}"
+            cell += " | " + _path_cells(paths)
             if small:
                 dims = ", ".join(map(str, small))
                 cell += f"; head dim {dims} (this test's) stored unquantized"
@@ -182,8 +292,14 @@ def table() -> str:
                     other += " not quantized (no quantized form yet)"
                 cell += f"; {other}"
         rows.setdefault(model, cell)
-    lines = ["| architecture | `bits=8 group=32` against fp16 |", "|---|---|"]
-    lines += [f"| {m} | {c} |" for m, c in sorted(rows.items())]
+    header = (
+        "| architecture | `bits=8 group=32` against fp16 | `--max-kv-size 16` against "
+        "`bits=16` | two prompts through `BatchGenerator` | saved, loaded |"
+    )
+    lines = [header, "|---|---|---|---|---|"]
+    for m, c in sorted(rows.items()):
+        cells = c.count(" | ")
+        lines.append(f"| {m} | {c}{' | —' * (3 - cells)} |")
     return "\n".join(lines)
 
 

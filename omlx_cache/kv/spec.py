@@ -293,26 +293,39 @@ class KVSpec:
                 f"{self}: layer {self.layers[-1]} of a model with {len(caches)} layers."
             )
         lists, dequantized = _how_model_reads(model, self, max_kv_size)
-        out = self._stores(caches, lists)
+        # a bounded store's rows do not carry its sinks: a model that reads
+        # them keeps its own bounded caches
+        out = self._stores(caches, lists, windows=not dequantized)
         for c in stores(out):
             c.fetch_dequantized = dequantized
         return out
 
-    def _stores(self, caches, lists=True) -> list:
-        """The model's caches, those with a quantized form as stores (inside
-        a ``CacheList`` too, with ``lists``)."""
-        return [self._store(c, self.codecs_of(i), lists) for i, c in enumerate(caches)]
+    def stored_shapes(self, model, max_kv_size=None) -> list:
+        """``layer_shapes`` of what ``make_cache`` stores: the bounded layers
+        of a model that reads its keys itself keep the model's caches."""
+        reads = self.bits is not None and _how_model_reads(model, self, max_kv_size)[1]
+        return layer_shapes(model, max_kv_size, windows=not reads)
 
-    def _store(self, c, codecs, lists=True):
+    def _stores(self, caches, lists=True, windows=True) -> list:
+        """The model's caches, those with a quantized form as stores (inside
+        a ``CacheList`` too, with ``lists``; bounded ones with ``windows``)."""
+        return [
+            self._store(c, self.codecs_of(i), lists, windows)
+            for i, c in enumerate(caches)
+        ]
+
+    def _store(self, c, codecs, lists=True, windows=True):
         from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache
 
         if type(c) is KVCache:
             return KVStore(*codecs, **self.settings())
-        if type(c) is RotatingKVCache:
+        if type(c) is RotatingKVCache and windows:
             settings = dict(self.settings(), recent=0)
             return KVStore(*codecs, **settings, window=c.max_size, keep=c.keep)
         if type(c) is CacheList and lists:
-            return CacheList(*(self._store(x, codecs) for x in c.caches))
+            return CacheList(
+                *(self._store(x, codecs, windows=windows) for x in c.caches)
+            )
         return c
 
     # ------------------------------------------------------------------
@@ -395,7 +408,7 @@ class KVSpec:
         for (what, why), parts in notes.items():
             layers = sorted({i for found in parts.values() for i in found})
             lines.append(
-                f"{' and '.join(parts)} of layers {_ranges(layers)}: {what} ({why})"
+                f"{' and '.join(parts)} of layers {layer_ranges(layers)}: {what} ({why})"
             )
         return lines
 
@@ -527,7 +540,7 @@ def _layers(value):
         raise ValueError(f"layers={value!r}: layer numbers, e.g. layers=4,8.") from None
 
 
-def _ranges(numbers) -> str:
+def layer_ranges(numbers) -> str:
     """``0-3,7``: sorted ints as runs."""
     runs = []
     for n in numbers:
@@ -558,9 +571,10 @@ class LayerShape:
     keep: int = 0
 
 
-def layer_shapes(model, max_kv_size=None) -> list:
+def layer_shapes(model, max_kv_size=None, windows=True) -> list:
     """Each layer's KV heads, head dims and window, read off the model's own
-    caches after one token."""
+    caches after one token (None: a cache with no quantized form; bounded
+    ones too without ``windows``)."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     caches = make_prompt_cache(model, max_kv_size)
@@ -568,7 +582,8 @@ def layer_shapes(model, max_kv_size=None) -> list:
     shapes = []
     for c in caches:
         keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if type(c) not in (KVCache, RotatingKVCache) or keys is None:
+        kinds = (KVCache, RotatingKVCache) if windows else (KVCache,)
+        if type(c) not in kinds or keys is None:
             shapes.append(None)  # a cache with no quantized form
             continue
         window = getattr(c, "max_size", None)
