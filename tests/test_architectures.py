@@ -4,6 +4,10 @@ makes), against the same model with its own caches: a 9-token prompt, then
 decode tokens, float32 on the CPU. Each model runs, its attention caches are
 quantized where their head dims allow (``KVSpec.quantized_layers`` says how
 many; the others are stored unquantized), and its logits stay near fp16's.
+Then the paths a user runs: a bounded window (``--max-kv-size 16``, against
+the same window unquantized), two prompts through ``BatchGenerator`` (the
+server's batch; each gets its tokens alone) and a saved and loaded cache;
+each passes or fails as the model's own caches do on it.
 
 Upstream's test builds each model and hands it to ``model_test_runner``;
 this subclass runs the check there instead. Models over ``MAX_PARAMETERS``
@@ -124,6 +128,10 @@ def _batched(model, tokens, make=None):
     return [got[uid] for uid in uids] == alone
 
 
+def _failed(outcome) -> bool:
+    return outcome is False or isinstance(outcome, str)
+
+
 def _outcome(run):
     try:
         return run()
@@ -190,9 +198,17 @@ class Architectures(test_models.TestModels):
             error / (scale or 1),
             sorted(kinds - QUANTIZED_KINDS - STATE_KINDS),
             unquantized,
-            self._paths(model, tokens),
+            paths := self._paths(model, tokens),
         )
         self.assertLessEqual(error, TOLERANCE * scale, model_type)
+        for name, value in paths.items():
+            if isinstance(value, tuple):
+                # a failure the model's own caches have too
+                self.assertTrue(_failed(value[1]), f"{model_type} {name}: {value[0]}")
+            elif name == "batch":
+                self.assertTrue(value, f"{model_type}: batched tokens differ")
+            else:
+                self.assertLessEqual(value, TOLERANCE, f"{model_type} {name}")
 
     def _paths(self, model, tokens):
         """The other paths a user runs: a bounded window, the server's batch,
@@ -215,7 +231,7 @@ class Architectures(test_models.TestModels):
                 ),
             ):
                 paths[name] = _outcome(run)
-                if own and (paths[name] is False or isinstance(paths[name], str)):
+                if own and _failed(paths[name]):
                     # what the model's own caches do on the same path
                     paths[name] = (paths[name], _outcome(own))
         return paths
