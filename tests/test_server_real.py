@@ -363,6 +363,7 @@ def test_schemes_and_presets_are_batched(fresh_server, tokenizer, config):
         (("--prompt-cache-disk-bytes", "lots"), "argument --prompt-cache-disk-bytes"),
         (("--prompt-cache-dir", "/etc/hostname"), "argument --prompt-cache-dir"),
         (("--kv-rotate", "q"), "unrecognized arguments: --kv-rotate"),
+        (("--kv-cache-budget", "lots"), "argument --kv-cache-budget: expected auto"),
     ],
 )
 def test_bad_kv_cache_flags_are_named(smollm2_dirs, tmp_path, flags, error):
