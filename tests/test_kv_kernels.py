@@ -476,6 +476,25 @@ def first_as_int(call):
     return keys, values, first, count
 
 
+def decoded(call, store, **extra):
+    """``affine_prefill.decoded_attention`` over what ``call`` attends (the
+    store's codecs), its output finished as the store finishes it."""
+    k, v = store.key_codec, store.value_codec
+    out = affine_prefill.decoded_attention(
+        call.rotated_queries(),
+        call.key_pages,
+        call.value_pages,
+        call.scale,
+        call.length,
+        k.group_size,
+        k.bits,
+        v.group_size,
+        v.bits,
+        **extra,
+    )
+    return call.finish(out)
+
+
 AFFINE_PREFILL = {
     # the pages begin after a sequence's first tokens: rows -8 to -1
     "outside": (
@@ -546,25 +565,11 @@ def test_decoded_prefill_takes_first_tokens_outside_the_pages(case):
     recent = call.recent
     held = None if recent is None else (recent.keys, recent.values, recent.count)
     assert (held is not None) == case.endswith("-held")
-    k, v = s.key_codec, s.value_codec
-    out = affine_prefill.decoded_attention(
-        call.rotated_queries(),
-        call.key_pages,
-        call.value_pages,
-        call.scale,
-        call.length,
-        k.group_size,
-        k.bits,
-        v.group_size,
-        v.bits,
-        # (a batch's: the array over the pages' rows that hides its padding)
-        mask=call.mask,
-        exact=exact,
-        held=held,
-    )
+    # (a batch's mask: the array over the pages' rows that hides its padding)
+    out = decoded(call, s, mask=call.mask, exact=exact, held=held)
     want = s.scaled_dot_product_attention(queries, None, None, 0.125, mask)
     rows = past_padding(s, queries.shape[2])
-    assert relative_error(call.finish(out)[:, :, rows], want[:, :, rows]) < 1e-5
+    assert relative_error(out[:, :, rows], want[:, :, rows]) < 1e-5
 
 
 @pytest.mark.parametrize("center", ["", "k"])
@@ -589,37 +594,11 @@ def test_decoded_prefill_takes_sinks(center):
         unregister("test-capture")
     call = made[0]
     assert backend._prefill_path(call) is None  # (no CUDA here)
-    k, v = s.key_codec, s.value_codec
-    out = affine_prefill.decoded_attention(
-        call.rotated_queries(),
-        call.key_pages,
-        call.value_pages,
-        call.scale,
-        call.length,
-        k.group_size,
-        k.bits,
-        v.group_size,
-        v.bits,
-        mask="causal",
-        exact=backend._first(call),
-        sinks=call.sinks,
-        key_shift=backend._key_shift(call),
-    )
-    assert relative_error(call.finish(out), want) < 1e-5
-    without = affine_prefill.decoded_attention(
-        call.rotated_queries(),
-        call.key_pages,
-        call.value_pages,
-        call.scale,
-        call.length,
-        k.group_size,
-        k.bits,
-        v.group_size,
-        v.bits,
-        mask="causal",
-        exact=backend._first(call),
-    )
-    assert relative_error(call.finish(without), want) > 1e-3
+    extra = {"mask": "causal", "exact": backend._first(call)}
+    shift = backend._key_shift(call)
+    out = decoded(call, s, **extra, sinks=call.sinks, key_shift=shift)
+    assert relative_error(out, want) < 1e-5
+    assert relative_error(decoded(call, s, **extra), want) > 1e-3
 
 
 def test_decoded_prefill_in_blocks_of_queries(monkeypatch):
@@ -627,13 +606,10 @@ def test_decoded_prefill_in_blocks_of_queries(monkeypatch):
     go in blocks (here of 3 rows), with the same result."""
     s = BatchKVStore([3, 11], Affine(4, 64, "hadamard"), first=8)
     *_, call = prefilled(s, (40, 20), 20, seed=5)
-    k, v = s.key_codec, s.value_codec
-    args = (call.rotated_queries(), call.key_pages, call.value_pages, call.scale)
-    args += (call.length, k.group_size, k.bits, v.group_size, v.bits)
     exact = tuple(call.first[:4])
-    whole = affine_prefill.decoded_attention(*args, mask=call.mask, exact=exact)
+    whole = decoded(call, s, mask=call.mask, exact=exact)
     monkeypatch.setattr(affine_prefill, "DECODED_SCORES", 3 * 2 * 6 * 60)
-    blocks = affine_prefill.decoded_attention(*args, mask=call.mask, exact=exact)
+    blocks = decoded(call, s, mask=call.mask, exact=exact)
     rows = past_padding(s, 20)
     assert relative_error(blocks[:, :, rows], whole[:, :, rows]) < 1e-6
 

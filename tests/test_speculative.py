@@ -14,20 +14,12 @@ import pytest
 from mlx.utils import tree_map
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.models.cache import make_prompt_cache
+from tiny_llama import CONFIG
 
 from omlx_cache.kv.spec import KVSpec, stores
 
 MODELS = {
-    "llama": {
-        "model_type": "llama",
-        "hidden_size": 128,
-        "num_hidden_layers": 2,
-        "intermediate_size": 256,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": 256,
-    },
+    "llama": CONFIG,
     "deepseek_v3": {
         "model_type": "deepseek_v3",
         "vocab_size": 256,
@@ -84,7 +76,7 @@ MODELS = {
 SPEC = KVSpec.parse("bits=8 group=32")
 
 
-def build(config, noise=0.0):
+def build(config, noise=0.3):
     """The model with seed 0's weights, each times 1 + ``noise`` x N(0, 1) (a
     draft that agrees with the model often, not always)."""
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
@@ -108,7 +100,7 @@ def tokens_of(steps):
 
 @pytest.mark.parametrize("name", ["llama", "deepseek_v3", "gemma3_text"])
 def test_speculative_decoding_over_stores(name):
-    model, draft = build(MODELS[name]), build(MODELS[name], noise=0.5)
+    model, draft = build(MODELS[name]), build(MODELS[name], noise=0.3)
     prompt = mx.array([(7 * i + 3) % 256 for i in range(90)])
     cache = SPEC.make_cache(model)
     assert stores(cache), "the main model's caches are stores"
@@ -126,7 +118,7 @@ def test_speculative_decoding_over_stores(name):
 
 
 def test_a_hybrid_is_refused_as_with_its_own_caches():
-    model, draft = build(MODELS["lfm2"]), build(MODELS["lfm2"], noise=0.5)
+    model, draft = build(MODELS["lfm2"]), build(MODELS["lfm2"], noise=0.3)
     prompt = mx.array(list(range(20)))
     errors = []
     for cache in (make_prompt_cache(model), SPEC.make_cache(model)):
