@@ -76,7 +76,7 @@ MODELS = {
 SPEC = KVSpec.parse("bits=8 group=32")
 
 
-def build(config, noise=0.3):
+def build(config, noise=0.0):
     """The model with seed 0's weights, each times 1 + ``noise`` x N(0, 1) (a
     draft that agrees with the model often, not always)."""
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
