@@ -407,6 +407,25 @@ def test_decode_takes_first_tokens_before_the_pages_as_held_ones(mask, held):
     assert backend._codebook_applies(decline) == (mask is None)
 
 
+def decoded(call, **extra):
+    """``affine_prefill.decoded_attention`` over what ``call`` attends, its
+    output finished as the store finishes it."""
+    k, v = call.key_codec, call.value_codec
+    out = affine_prefill.decoded_attention(
+        call.rotated_queries(),
+        call.key_pages,
+        call.value_pages,
+        call.scale,
+        call.length,
+        k.group_size,
+        k.bits,
+        v.group_size,
+        v.bits,
+        **extra,
+    )
+    return call.finish(out)
+
+
 @pytest.mark.parametrize("first,held", [(None, 0), (0, 0), (0, 5), (None, 7)])
 def test_decoded_prefill_attends_as_the_ops_loop(first, held):
     """``affine_prefill.decoded_attention`` (the CUDA prefill path over
@@ -414,22 +433,10 @@ def test_decoded_prefill_attends_as_the_ops_loop(first, held):
     pages, the first tokens in place of their copies and the held ones."""
     call = affine_call(L=20, first=first, held=held, mask="causal")
     want = ops_attention(call)
-    recent = call.recent
-    out = affine_prefill.decoded_attention(
-        call.rotated_queries(),
-        call.key_pages,
-        call.value_pages,
-        call.scale,
-        call.length,
-        64,
-        8,
-        64,
-        8,
-        mask="causal",
-        exact=None if call.first is None else tuple(call.first[:4]),
-        held=None if recent is None else (recent.keys, recent.values, recent.count),
+    out = decoded(
+        call, mask="causal", exact=backend._first(call), held=backend._held(call)
     )
-    assert relative_error(call.finish(out), want) < 1e-5
+    assert relative_error(out, want) < 1e-5
 
 
 def prefilled(store, lengths, L, seed, mask_kind="causal"):
@@ -474,25 +481,6 @@ def first_as_int(call):
         assert len(rows) == 1
         first = rows.pop()
     return keys, values, first, count
-
-
-def decoded(call, store, **extra):
-    """``affine_prefill.decoded_attention`` over what ``call`` attends (the
-    store's codecs), its output finished as the store finishes it."""
-    k, v = store.key_codec, store.value_codec
-    out = affine_prefill.decoded_attention(
-        call.rotated_queries(),
-        call.key_pages,
-        call.value_pages,
-        call.scale,
-        call.length,
-        k.group_size,
-        k.bits,
-        v.group_size,
-        v.bits,
-        **extra,
-    )
-    return call.finish(out)
 
 
 AFFINE_PREFILL = {
@@ -566,7 +554,7 @@ def test_decoded_prefill_takes_first_tokens_outside_the_pages(case):
     held = None if recent is None else (recent.keys, recent.values, recent.count)
     assert (held is not None) == case.endswith("-held")
     # (a batch's mask: the array over the pages' rows that hides its padding)
-    out = decoded(call, s, mask=call.mask, exact=exact, held=held)
+    out = decoded(call, mask=call.mask, exact=exact, held=held)
     want = s.scaled_dot_product_attention(queries, None, None, 0.125, mask)
     rows = past_padding(s, queries.shape[2])
     assert relative_error(out[:, :, rows], want[:, :, rows]) < 1e-5
@@ -596,9 +584,9 @@ def test_decoded_prefill_takes_sinks(center):
     assert backend._prefill_path(call) is None  # (no CUDA here)
     extra = {"mask": "causal", "exact": backend._first(call)}
     shift = backend._key_shift(call)
-    out = decoded(call, s, **extra, sinks=call.sinks, key_shift=shift)
+    out = decoded(call, **extra, sinks=call.sinks, key_shift=shift)
     assert relative_error(out, want) < 1e-5
-    assert relative_error(decoded(call, s, **extra), want) > 1e-3
+    assert relative_error(decoded(call, **extra), want) > 1e-3
 
 
 def test_decoded_prefill_in_blocks_of_queries(monkeypatch):
@@ -607,9 +595,9 @@ def test_decoded_prefill_in_blocks_of_queries(monkeypatch):
     s = BatchKVStore([3, 11], Affine(4, 64, "hadamard"), first=8)
     *_, call = prefilled(s, (40, 20), 20, seed=5)
     exact = tuple(call.first[:4])
-    whole = decoded(call, s, mask=call.mask, exact=exact)
+    whole = decoded(call, mask=call.mask, exact=exact)
     monkeypatch.setattr(affine_prefill, "DECODED_SCORES", 3 * 2 * 6 * 60)
-    blocks = decoded(call, s, mask=call.mask, exact=exact)
+    blocks = decoded(call, mask=call.mask, exact=exact)
     rows = past_padding(s, 20)
     assert relative_error(blocks[:, :, rows], whole[:, :, rows]) < 1e-6
 
