@@ -161,7 +161,7 @@ class Counted:
         return calls
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--models", nargs="+", default=list(MODELS), choices=list(MODELS)
@@ -177,7 +177,7 @@ def main():
         help="the checked models' (float32 on the CPU: its MoE takes no halves)",
     )
     parser.add_argument("--out", required=True)
-    opts = parser.parse_args()
+    opts = parser.parse_args(argv)
     specs = [KVSpec.parse(s) for s in opts.schemes]
     counted = Counted()
     rows = []

@@ -1,4 +1,4 @@
-"""scripts/gpu/batch_speed.py on the CPU: BatchGenerator over each KV scheme."""
+"""scripts/gpu on the CPU: batch_speed (BatchGenerator over each KV scheme), random_model, arch_check."""
 
 import importlib.util
 import json
@@ -49,3 +49,27 @@ def test_random_model_loads(tmp_path):
     model, tok = load(str(out))
     assert model.args.vocab_size == len(tok.vocab) == 49152
     assert generate(model, tok, "Hello", max_tokens=3)
+
+
+def test_arch_check_names_the_paths(tmp_path):
+    """scripts/gpu/arch_check.py on the CPU (float32; the kernels are CUDA's):
+    each model and scheme against the float32 reference, and which kernels
+    ran (none here)."""
+    spec = importlib.util.spec_from_file_location(
+        "arch_check", ROOT / "scripts/gpu/arch_check.py"
+    )
+    arch_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(arch_check)
+    out = tmp_path / "arch.json"
+    argv = ["--models", "llama", "gpt_oss", "--schemes", "8", "--prompt", "40"]
+    argv += ["--chunk", "16", "--decode", "2", "--dtype", "float32"]
+    arch_check.main([*argv, "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["scheme"]) for r in rows] == [
+        ("llama", "own"),
+        ("llama", "8"),
+        ("gpt_oss", "own"),
+        ("gpt_oss", "8"),
+    ]
+    assert all(r["kernels"] == {} for r in rows)
+    assert rows[0]["rel_err"] == 0 and 0 < rows[1]["rel_err"] < 0.05
