@@ -1,4 +1,5 @@
-"""scripts/gpu on the CPU: batch_speed (BatchGenerator over each KV scheme), random_model, arch_check."""
+"""scripts/gpu on the CPU: batch_speed (BatchGenerator over each KV scheme),
+random_model and arch_check."""
 
 import importlib.util
 import json
