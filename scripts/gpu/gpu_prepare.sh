@@ -6,6 +6,10 @@
 #   mkdir -p /root/wh && cp .wK/chunk.* /root/wh/
 # and the last (carry .wN and vendor/mlx-lm) as
 #   . .wN/install-on-gpu.sh && python3 -m omlx_cache.bench ...
+# SERVE=1 also bundles what the load benchmark through the server needs there (the openai client's
+# wheels, SmolLM2's tokenizer files, the evaluation text), then:
+#   python3 scripts/gpu/random_model.py --tokenizer models/SmolLM2-135M-Instruct --out /tmp/m &&
+#   python3 -m omlx_cache loadbench --model /tmp/m --text wiki.test.raw --kv fp16 --kv 4 ... --out $OUT/l.json
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 mlx_version=$(sed -n 's/^mlx==//p' requirements.txt)
@@ -17,6 +21,16 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     --platform manylinux_2_35_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     -d vendor/.cache/gpu-wheels "mlx==$mlx_version" "mlx-cuda-13==$mlx_version" 2>/dev/null
 cp vendor/.cache/gpu-wheels/mlx-"$mlx_version"-*.whl vendor/.cache/gpu-wheels/mlx_cuda_13-"$mlx_version"-*.whl "$work/bundle/wheels/"
+if [ "${SERVE:-0}" = 1 ]; then
+    python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$work/bundle/wheels" openai 2>/dev/null
+    text=${TEXT:-../shared/data/wikitext-2-raw/wiki.test.raw}
+    cp "$text" "$work/bundle/files/wiki.test.raw"
+    set -- "$@" models/SmolLM2-135M-Instruct/tokenizer.json \
+        models/SmolLM2-135M-Instruct/tokenizer_config.json \
+        models/SmolLM2-135M-Instruct/special_tokens_map.json
+fi
 for f in "$@"; do
     [ -f "$f" ] || { echo "gpu_prepare: no such file: $f" >&2; exit 1; }
     mkdir -p "$work/bundle/files/$(dirname "$f")"
