@@ -64,7 +64,8 @@ def spec_from_args(args) -> KVSpec:
 
 def describe(spec: KVSpec, model, max_kv_size=None) -> str:
     """One line: the layers quantized, bits per element, bytes per token."""
-    shapes = spec.stored_shapes(model, max_kv_size)
+    own = layer_shapes(model, max_kv_size)
+    shapes = spec.stored_shapes(model, own, max_kv_size)
     quantized = spec.quantized_layers(shapes)
     footprint = spec.footprint(shapes, AVERAGE_CONTEXT)
     line = (
@@ -73,11 +74,7 @@ def describe(spec: KVSpec, model, max_kv_size=None) -> str:
         f"{footprint['bytes_per_token']:,.0f} bytes per token at {AVERAGE_CONTEXT} tokens"
     )
     notes = spec.fitted_dims(shapes)
-    bounded = [
-        i
-        for i, (kept, own) in enumerate(zip(shapes, layer_shapes(model, max_kv_size)))
-        if kept is None and own is not None
-    ]
+    bounded = [i for i, (s, o) in enumerate(zip(shapes, own)) if s is None and o is not None]
     if bounded:
         notes.append(
             f"bounded layers {layer_ranges(bounded)} keep the model's own caches (it reads "

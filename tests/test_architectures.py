@@ -81,10 +81,6 @@ def _relative(got, want):
     return error / (mx.where(finite, mx.abs(want), 0).max().item() or 1)
 
 
-def _own(model, max_kv_size=None):
-    return make_prompt_cache(model, max_kv_size)
-
-
 def _window(model, tokens):
     """``--max-kv-size 16``, 24 tokens: the stores' window against the same
     window unquantized (``bits=16``; the model's own bounded caches let a
@@ -222,12 +218,12 @@ class Architectures(test_models.TestModels):
                 (
                     "batch",
                     lambda: _batched(model, tokens),
-                    lambda: _batched(model, tokens, _own),
+                    lambda: _batched(model, tokens, make_prompt_cache),
                 ),
                 (
                     "saved",
                     lambda: _saved(model, tokens, file),
-                    lambda: _saved(model, tokens, file, _own),
+                    lambda: _saved(model, tokens, file, make_prompt_cache),
                 ),
             ):
                 paths[name] = _outcome(run)

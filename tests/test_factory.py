@@ -164,3 +164,24 @@ def test_cq4_fits_its_layers_when_the_caches_are_first_made(
     fit._fitted.clear()
     factory.from_args(args("cq4"))(model)
     assert "fit" not in capsys.readouterr().err
+
+
+def test_a_model_that_reads_its_keys_keeps_its_bounded_caches():
+    """Gemma 2 attends by itself (softcapping): with ``--max-kv-size`` its
+    layers keep their own rotating caches (a quantized window's rows do not
+    carry its sinks), and the load line says so; unbounded, they are stores."""
+    from mlx_lm.models import gemma2
+    from mlx_lm.models.cache import RotatingKVCache
+
+    config = {"model_type": "gemma2", "hidden_size": 128, "num_hidden_layers": 2}
+    config |= {"intermediate_size": 256, "num_attention_heads": 2, "head_dim": 64}
+    config |= {"rms_norm_eps": 1e-4, "vocab_size": 128, "num_key_value_heads": 2}
+    model = gemma2.Model(gemma2.ModelArgs.from_dict(config))
+    spec = KVSpec.parse("bits=8")
+    assert all(type(c) is RotatingKVCache for c in spec.make_cache(model, 16))
+    line = factory.describe(spec, model, 16)
+    assert "0 of 2 layers quantized" in line
+    assert "bounded layers 0-1 keep the model's own caches" in line
+    assert all(isinstance(c, KVStore) for c in spec.make_cache(model))
+    assert "2 of 2 layers quantized" in factory.describe(spec, model)
+    assert "bounded layers" not in factory.describe(spec, model)

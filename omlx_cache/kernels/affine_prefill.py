@@ -23,6 +23,7 @@ import struct
 
 import mlx.core as mx
 
+from ..kv.spans import with_first_rows
 from . import affine_decode as quantized_decode
 
 # 8 warps of 16 query rows share a tile's loads and dequantization (faster
@@ -546,18 +547,6 @@ def _with_kept(x, kept, first, count, length, heads, dtype):
     return x
 
 
-def _with_kept_rows(x, kept, first, count, heads):
-    """``x`` with each sequence's rows ``first[b]`` to ``first[b] + count``
-    (a batch's first tokens, inside its rows) replaced by the kept ones."""
-    offset = mx.arange(x.shape[-2])[None] - first[:, None]
-    inside = ((offset >= 0) & (offset < count))[:, None, :, None]
-    index = mx.clip(offset, 0, count - 1)[:, None, :, None]
-    kept = kept[:, heads, :count]
-    index = mx.broadcast_to(index, (*kept.shape[:2], x.shape[-2], kept.shape[-1]))
-    rows = mx.take_along_axis(kept, index, axis=-2).astype(x.dtype)
-    return mx.where(inside, rows, x)
-
-
 def _with_held(x, held, count, heads, dtype):
     """``x`` (None: no stored rows) followed by the first ``count`` held
     unquantized rows."""
@@ -625,8 +614,8 @@ def decoded_attention(
             # a batch's first tokens are in its rows (pages or held), each
             # sequence's after its own padding
             kept_keys, kept_values, first, count = exact
-            keys = _with_kept_rows(keys, kept_keys, first, count, heads)
-            values = _with_kept_rows(values, kept_values, first, count, heads)
+            keys = with_first_rows(keys, kept_keys[:, heads], first, count)
+            values = with_first_rows(values, kept_values[:, heads], first, count)
         if key_shift is not None:
             keys = keys + key_shift[:, heads]
         q_heads = slice(heads.start * G, heads.stop * G)

@@ -29,6 +29,20 @@ def check_tokens(value, name: str, multiple: int = 1) -> int:
     return value
 
 
+def with_first_rows(rows, first_rows, first, count):
+    """``rows`` (B, heads, n, D) with each sequence's rows ``first[b]`` to
+    ``first[b] + count`` replaced by its first ``count`` of ``first_rows``
+    (B, heads, count or more, D): a batch's first tokens, kept unquantized,
+    in place of their copies after each sequence's padding."""
+    offset = mx.arange(rows.shape[-2])[None] - first[:, None]
+    inside = ((offset >= 0) & (offset < count))[:, None, :, None]
+    first_rows = first_rows[:, :, :count]
+    index = mx.clip(offset, 0, count - 1)[:, None, :, None]
+    index = mx.broadcast_to(index, (*first_rows.shape[:2], *rows.shape[2:]))
+    kept = mx.take_along_axis(first_rows, index, axis=-2).astype(rows.dtype)
+    return mx.where(inside, kept, rows)
+
+
 class Spans:
     def __init__(self, first: int = 0, recent: int = 0):
         self.first = check_tokens(first, "first")

@@ -300,11 +300,13 @@ class KVSpec:
             c.fetch_dequantized = dequantized
         return out
 
-    def stored_shapes(self, model, max_kv_size=None) -> list:
-        """``layer_shapes`` of what ``make_cache`` stores: the bounded layers
-        of a model that reads its keys itself keep the model's caches."""
-        reads = self.bits is not None and _how_model_reads(model, self, max_kv_size)[1]
-        return layer_shapes(model, max_kv_size, windows=not reads)
+    def stored_shapes(self, model, shapes, max_kv_size=None) -> list:
+        """Of ``shapes`` (``layer_shapes(model, max_kv_size)``), those
+        ``make_cache`` stores: the bounded layers of a model that reads its
+        keys itself keep the model's caches (None here)."""
+        if self.bits is None or not _how_model_reads(model, self, max_kv_size)[1]:
+            return shapes
+        return [None if s is None or s.window is not None else s for s in shapes]
 
     def _stores(self, caches, lists=True, windows=True) -> list:
         """The model's caches, those with a quantized form as stores (inside
@@ -425,7 +427,8 @@ class KVSpec:
         return {
             "bytes": total,
             "bytes_per_token": total / context,
-            "bits_per_element": 8 * total / elements,
+            # (no layer stored: a model whose caches all stay its own)
+            "bits_per_element": 8 * total / elements if elements else 0.0,
         }
 
 
@@ -571,10 +574,9 @@ class LayerShape:
     keep: int = 0
 
 
-def layer_shapes(model, max_kv_size=None, windows=True) -> list:
+def layer_shapes(model, max_kv_size=None) -> list:
     """Each layer's KV heads, head dims and window, read off the model's own
-    caches after one token (None: a cache with no quantized form; bounded
-    ones too without ``windows``)."""
+    caches after one token (None: a cache with no quantized form)."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
     caches = make_prompt_cache(model, max_kv_size)
@@ -582,8 +584,7 @@ def layer_shapes(model, max_kv_size=None, windows=True) -> list:
     shapes = []
     for c in caches:
         keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        kinds = (KVCache, RotatingKVCache) if windows else (KVCache,)
-        if type(c) not in kinds or keys is None:
+        if type(c) not in (KVCache, RotatingKVCache) or keys is None:
             shapes.append(None)  # a cache with no quantized form
             continue
         window = getattr(c, "max_size", None)

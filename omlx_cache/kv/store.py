@@ -38,7 +38,7 @@ from .attention import Call, First, attend
 from .codecs import Affine, codec, for_dim
 from .kernels import hold as kernel_hold
 from .rotation import rotate
-from .spans import Spans, check_tokens
+from .spans import Spans, check_tokens, with_first_rows
 from .transform import Transform
 
 DEFAULT_CODEC = Affine(8)
@@ -652,15 +652,11 @@ class KVStore:
         if not self._is_batch() or spans.first_keys is None:
             return keys, values
         # each sequence's first tokens, from row left_padding[i] on
-        pos = mx.arange(length)[None] - (self.left_padding - self.dropped)[:, None]
-        kept = ((pos >= 0) & (pos < spans.first))[:, None, :, None]
-        index = mx.clip(pos, 0, spans.first - 1)[:, None, :, None]
-
-        def first(rows, first_rows):
-            index_ = mx.broadcast_to(index, rows.shape)
-            return mx.where(kept, mx.take_along_axis(first_rows, index_, 2), rows)
-
-        return first(keys, spans.first_keys), first(values, spans.first_values)
+        first = self.left_padding - self.dropped
+        return (
+            with_first_rows(keys, spans.first_keys, first, spans.first),
+            with_first_rows(values, spans.first_values, first, spans.first),
+        )
 
     def _held(self):
         """The held tokens (rotated domain), an incoming one prepared, or None."""
