@@ -274,7 +274,7 @@ def run(model_dir, cases, out_dir, max_tokens=MAX_TOKENS) -> dict:
 
 
 # ---------------------------------------------------------------------------
-# Several ranks on this machine: MLX's ring backend over 127.0.0.1
+# Several ranks on this machine: MLX's ring backend (CPU) or NCCL (a GPU each) on 127.0.0.1
 
 
 def free_ports(n: int) -> int:
@@ -300,21 +300,28 @@ def free_ports(n: int) -> int:
     raise RuntimeError(f"Found no {n} consecutive free ports on 127.0.0.1.")
 
 
-def launch_command(ranks: int, port: int, args: list[str]) -> list[str]:
+# mlx.launch's entry point, for when its script is not on PATH (pip --target)
+LAUNCH_MAIN = "from mlx._distributed_utils.launch import main; main()"
+
+
+def launch_command(
+    ranks: int, port: int, args: list[str], backend: str = "ring"
+) -> list[str]:
     """``mlx.launch`` running ``python -m omlx_cache.tensor_parallel ARGS`` on
-    ``ranks`` processes on 127.0.0.1 with the ring backend."""
+    ``ranks`` processes on 127.0.0.1: the ring backend over TCP ports from
+    ``port``, or NCCL (one GPU per rank) with its rendezvous on ``port``."""
     launcher = Path(sys.executable).parent / "mlx.launch"
     if not launcher.exists():
         launcher = shutil.which("mlx.launch")
-    if launcher is None:
-        raise FileNotFoundError("mlx.launch (installed with mlx) is not on PATH.")
+    command = [str(launcher)] if launcher else [sys.executable, "-c", LAUNCH_MAIN]
+    port_flag = "--starting-port" if backend == "ring" else "--nccl-port"
     return [
-        str(launcher),
+        *command,
         "--backend",
-        "ring",
+        backend,
         "-n",
         str(ranks),
-        "--starting-port",
+        port_flag,
         str(port),
         "--python",
         sys.executable,
@@ -556,41 +563,71 @@ def held_tokens(name: str, shape: Shape, kv_heads: int) -> int:
     return held.size if held else 0
 
 
-def measure(preset_name, schemes, contexts, out_dir, decode_steps=4, step=4096):
+def measure(
+    preset_name,
+    schemes,
+    contexts,
+    out_dir,
+    decode_steps=16,
+    step=2048,
+    backend="any",
+    warmup=1024,
+):
     """On this rank: the preset's random-weight llama sharded over the ranks;
     per scheme and context, caches reserved for ``context`` tokens (as
-    ``generate_step`` reserves them) filled with ``context - decode_steps``
-    random keys and values (memory does not depend on the values), then
-    ``decode_steps`` decode steps through the sharded model. Writes
-    ``measure-rank{R}.json``: each rank's KV heads and cache bytes against the
-    layout's."""
-    from . import bench
+    ``generate_step`` reserves them), a random prompt of ``context -
+    decode_steps`` tokens prefilled in chunks of ``step`` (the time to the
+    first token's logits), then ``decode_steps`` decode steps pipelined as
+    ``generate_step`` runs them. Each scheme first runs a ``warmup``-token
+    prompt, so that compilation is not timed. Writes ``measure-rank{R}.json``
+    after every row: the rank's KV heads and cache bytes against the
+    layout's, its peak memory, first-token time and decode speed."""
+    from .bench import models as bench_models
+    from .bench import timing
 
-    group = mx.distributed.init()
+    group = mx.distributed.init(strict=backend != "any", backend=backend)
     rank, size = group.rank(), group.size()
     preset = measure_preset(preset_name)
     shape = preset_shape(preset)
-    model = bench.build_model(preset, getattr(mx, preset["dtype"]))
+    model = bench_models.build_model(preset, getattr(mx, preset["dtype"]))
     if size > 1:
         model.shard(group)
     mx.eval(model.parameters())
     vocab = preset["config"]["vocab_size"]
-    report = {"preset": preset_name, "ranks": size, "rank": rank, "rows": []}
-    report["device"] = str(mx.default_device())
+    report = {
+        "preset": preset_name,
+        "ranks": size,
+        "rank": rank,
+        "device": str(mx.default_device()),
+        "weights_bytes": sum(v.nbytes for _, v in tree_flatten(model.parameters())),
+        "prefill_step": step,
+        "decode_steps": decode_steps,
+        "rows": [],
+    }
+    out = Path(out_dir) / f"measure-rank{rank}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def generate(name, context, steps):
+        cache = KVSpec.parse(name).make_cache(model)
+        for c in cache:
+            # as generate_step reserves the generation's page
+            if getattr(c, "reserve", False) is None and c.empty():
+                c.reserve = context
+        # the pipelined decode writes steps + 1 tokens: context in all
+        prompt = timing.random_tokens(context - steps - 1, vocab, seed=context)
+        tokens = timing.random_tokens(steps + 1, vocab, seed=1)
+        start = time.perf_counter()
+        timing.prefill(model, prompt, cache, step, lambda c: None, math.inf)
+        first_token_s = time.perf_counter() - start
+        times = timing.decode_pipelined(model, cache, tokens, lambda c: None, math.inf)
+        return cache, first_token_s, times
+
     for name in schemes:
+        generate(name, warmup + decode_steps, decode_steps)
+        mx.clear_cache()
         for context in contexts:
-            cache = KVSpec.parse(name).make_cache(model)
-            for c in cache:
-                # as generate_step reserves the generation's page
-                if getattr(c, "reserve", False) is None and c.empty():
-                    c.reserve = context
             mx.reset_peak_memory()
-            start = time.perf_counter()
-            prompt = mx.zeros((context - decode_steps, 1), mx.int32)
-            bench.synthetic_fill(model, prompt, cache, step, lambda c: None, math.inf)
-            fill_s = time.perf_counter() - start
-            tokens = bench.random_tokens(decode_steps, vocab, seed=1)
-            times, _ = bench.decode(model, cache, tokens, lambda c: None, math.inf)
+            cache, first_token_s, times = generate(name, context, decode_steps)
             heads = kv_heads(cache[0])
             row = {
                 "scheme": name,
@@ -601,31 +638,33 @@ def measure(preset_name, schemes, contexts, out_dir, decode_steps=4, step=4096):
                     name, shape, context, size, held_tokens(name, shape, heads)
                 ),
                 "peak_memory": mx.get_peak_memory(),
-                "fill_s": round(fill_s, 2),
-                "decode_ms": round(1e3 * float(np.median(times)), 2),
+                "first_token_s": round(first_token_s, 2),
+                "decode_tok_s": round(1 / float(np.median(times)), 1),
             }
             report["rows"].append(row)
+            out.write_text(json.dumps(report, indent=1))
             log(f"rank {rank}/{size} {row}")
             del cache
             mx.clear_cache()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / f"measure-rank{rank}.json").write_text(json.dumps(report, indent=1))
     return report
 
 
 def measure_table(reports: list[dict]) -> list[str]:
-    """Markdown: each rank's measured KV bytes next to the layout's."""
+    """Markdown: each rank's measured KV bytes next to the layout's, its peak
+    memory (weights included), first-token time and decode speed."""
     lines = [
-        "| KV cache | context | rank | KV heads | nbytes | layout | equal | peak memory |",
-        "|---|---:|---:|---:|---:|---:|---|---:|",
+        "| KV cache | context | ranks | rank | KV heads | nbytes | layout | equal "
+        "| peak memory | first token | decode |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for report in reports:
         for r in report["rows"]:
             lines.append(
-                f"| {r['scheme']} | {r['context']:,} | {report['rank']} "
-                f"| {r['kv_heads']} | {r['nbytes']:,} | {r['layout']:,} "
-                f"| {r['nbytes'] == r['layout']} | {r['peak_memory'] / GIB:.2f} GiB |"
+                f"| {r['scheme']} | {r['context']:,} | {report['ranks']} "
+                f"| {report['rank']} | {r['kv_heads']} | {r['nbytes']:,} "
+                f"| {r['layout']:,} | {r['nbytes'] == r['layout']} "
+                f"| {r['peak_memory'] / GIB:.2f} GiB | {r['first_token_s']:.2f} s "
+                f"| {r['decode_tok_s']:.1f} tok/s |"
             )
     return lines
 
@@ -767,7 +806,12 @@ def main(argv=None):
     p.add_argument("--preset", default="llama3-8b")
     p.add_argument("--kv", action="append", help="schemes (default fp16, 8,4, 4)")
     p.add_argument("--contexts", default="32768,131072")
-    p.add_argument("--decode-steps", type=int, default=4)
+    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--warmup", type=int, default=1024, help="untimed prompt tokens")
+    p.add_argument(
+        "--backend", default="any", help="mx.distributed backend (ring, nccl, ...)"
+    )
     p.add_argument("--out", required=True)
     p = sub.add_parser("layout", help="KV bytes per rank at a Llama-3-8B shape")
     p.add_argument("--kv", action="append", help="schemes (default fp16, 8,4, 4)")
@@ -790,6 +834,9 @@ def main(argv=None):
             [int(c) for c in args.contexts.split(",")],
             args.out,
             args.decode_steps,
+            args.prefill_step_size,
+            args.backend,
+            args.warmup,
         )
         print("\n".join(measure_table([report])))
         return 0 if all(r["nbytes"] == r["layout"] for r in report["rows"]) else 1
