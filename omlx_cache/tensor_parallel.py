@@ -653,8 +653,10 @@ def measure_table(reports: list[dict]) -> list[str]:
     """Markdown: each rank's measured KV bytes next to the layout's, its peak
     memory (weights included), first-token time and decode speed."""
     lines = [
-        "| KV cache | context | ranks | rank | KV heads | nbytes | layout | equal "
-        "| peak memory | first token | decode |",
+        (
+            "| KV cache | context | ranks | rank | KV heads | nbytes | layout "
+            "| equal | peak memory | first token | decode |"
+        ),
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for report in reports:

@@ -43,7 +43,10 @@ def run_ranks(args, n: int, backend: str):
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0"}
     else:
         command = tp.launch_command(
-            n, tp.free_ports(1), [*measure_args(args, out), "--backend", backend], backend
+            n,
+            tp.free_ports(1),
+            [*measure_args(args, out), "--backend", backend],
+            backend,
         )
         env = None
     tp.log(f"{n} rank{'s' * (n > 1)}: {' '.join(command)}")
