@@ -67,10 +67,10 @@ def scheme(text: str) -> str:
 
 def server_args(text: str) -> tuple:
     """The server's arguments for a scheme: its own caches for ``fp16``, else
-    omlx_cache's (``--kv-cache omlx``)."""
+    omlx_cache's, named by module so that no install is needed."""
     if KVSpec.parse(text).is_reference:
         return ()
-    return ("--kv-cache", "omlx", "--kv-cache-config", text)
+    return ("--kv-cache", "omlx_cache.factory:from_args", "--kv-cache-config", text)
 
 
 def slug(text: str) -> str:

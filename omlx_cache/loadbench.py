@@ -303,10 +303,6 @@ def main(argv=None):
     )
     out = Path(opts.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for name in opts.kv or ["fp16"]:
-        rows.append(run_scheme(opts.model, name, requests, opts, out.parent))
-        print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
     record = {
         "model": opts.model,
         "clients": opts.clients,
@@ -315,9 +311,14 @@ def main(argv=None):
         "shared": opts.shared,
         "max_tokens": opts.max_tokens,
         "date": time.strftime("%Y-%m-%d"),
-        "rows": rows,
+        "rows": [],
     }
-    out.write_text(json.dumps(record, indent=1))
+    rows = record["rows"]
+    for name in opts.kv or ["fp16"]:
+        rows.append(run_scheme(opts.model, name, requests, opts, out.parent))
+        print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)
+        # after every scheme: a run cut short keeps what it measured
+        out.write_text(json.dumps(record, indent=1))
     print(table(rows))
     if opts.plot:
         plot(rows, opts.plot)
