@@ -74,7 +74,9 @@ def describe(spec: KVSpec, model, max_kv_size=None) -> str:
         f"{footprint['bytes_per_token']:,.0f} bytes per token at {AVERAGE_CONTEXT} tokens"
     )
     notes = spec.fitted_dims(shapes)
-    bounded = [i for i, (s, o) in enumerate(zip(shapes, own)) if s is None and o is not None]
+    bounded = [
+        i for i, (s, o) in enumerate(zip(shapes, own)) if s is None and o is not None
+    ]
     if bounded:
         notes.append(
             f"bounded layers {layer_ranges(bounded)} keep the model's own caches (it reads "
