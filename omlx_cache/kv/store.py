@@ -523,7 +523,7 @@ class KVStore:
         lo, hi = self.dropped + pad, min(self._written + pad, stop)
         if hi <= lo:
             return None
-        keys, values = self.keys_and_values()
+        keys, values = self._encoded()
         rows = slice(0, hi - lo)
         return (
             tuple(x[:, :, rows] for x in keys),
@@ -554,7 +554,7 @@ class KVStore:
                 )
             )
         if from_pages > 0:
-            keys, values = self.keys_and_values()
+            keys, values = self._encoded()
             rows = slice(keys[0].shape[2] - from_pages, None)
             parts.append(
                 (
@@ -710,6 +710,14 @@ class KVStore:
         return tuple(mx.concatenate(xs, axis=2) for xs in zip(*out))
 
     def keys_and_values(self):
+        """For a model that reads its keys (``fetch_dequantized``), its rows
+        dequantized, as ``update_and_fetch`` gives them (AFM7's KV-reuse
+        layers read the last layer's cache so); else the encoded pages."""
+        if self.fetch_dequantized:
+            return self.dequantized()
+        return self._encoded()
+
+    def _encoded(self):
         """The encoded keys and values of the pages, one tuple each (a copy
         when there are several pages)."""
         self._flush()
@@ -1087,7 +1095,7 @@ class BatchKVStore(KVStore):
         # first span only, the pages after them
         store.dropped = max(self.dropped - padding, store._first_skip(), 0)
         skip = store.dropped + padding - self.dropped
-        keys, values = self.keys_and_values()
+        keys, values = self._encoded()
         store.key_pages, store.value_pages = (
             [tuple(mx.contiguous(x[idx : idx + 1, :, skip:]) for x in stored)]
             for stored in (keys, values)
@@ -1164,7 +1172,7 @@ def _combine(batch, stores):
     if written > dropped:
         source = next((c for c in full if c._written > c.dropped), None)
         if source is not None:
-            like = source.keys_and_values()
+            like = source._encoded()
         else:
             # every store holds its rows in the first span only: zeros
             source = next(c for c in full if c.spans.first_keys is not None)
