@@ -22,6 +22,7 @@ import math
 import struct
 
 import mlx.core as mx
+from mlx_lm.models.base import MASKED_SCORES, masked_attention_in_blocks
 
 from ..kv.spans import with_first_rows
 from . import affine_decode as quantized_decode
@@ -43,7 +44,7 @@ DECODED_HEAD_DIMS = (64, 128)
 # A batch's prefill (an array mask hides its padding) materialises the scores:
 # at most this many a call (1 GiB in float32; 4 x 32K prompts ran out of
 # memory on an H200 without it).
-DECODED_SCORES = 1 << 28
+DECODED_SCORES = MASKED_SCORES
 
 _HEADER = (
     quantized_decode._HEADER
@@ -637,31 +638,15 @@ def decoded_attention(
 
 def _attention_in_blocks(queries, keys, values, scale, mask, sinks=None):
     """``mx.fast.scaled_dot_product_attention``; with an array mask (no fused
-    kernel takes one: the scores are materialised) the queries go in blocks
-    of rows whose scores take at most ``DECODED_SCORES`` elements."""
-    B, n_heads, L, _ = queries.shape
-    rows = L
+    kernel takes one: the scores are materialised) in blocks of queries whose
+    scores take at most ``DECODED_SCORES`` elements (patch 0011)."""
     if isinstance(mask, mx.array):
-        rows = max(1, DECODED_SCORES // (B * n_heads * keys.shape[-2]))
-    if rows >= L:
-        return mx.fast.scaled_dot_product_attention(
-            queries, keys, values, scale=scale, mask=mask, sinks=sinks
+        return masked_attention_in_blocks(
+            queries, keys, values, scale, mask, sinks, DECODED_SCORES
         )
-    outs = []
-    for start in range(0, L, rows):
-        block = mask[..., start : start + rows, :] if mask.shape[-2] > 1 else mask
-        outs.append(
-            mx.fast.scaled_dot_product_attention(
-                queries[:, :, start : start + rows],
-                keys,
-                values,
-                scale=scale,
-                mask=block,
-                sinks=sinks,
-            )
-        )
-        mx.eval(outs[-1])
-    return mx.concatenate(outs, axis=2)
+    return mx.fast.scaled_dot_product_attention(
+        queries, keys, values, scale=scale, mask=mask, sinks=sinks
+    )
 
 
 def quantized_prefill_attention(
