@@ -62,3 +62,31 @@ def test_layout_equals_built_caches_at_8b():
     # fp16 at 128K: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes x 131072
     assert by_key["fp16", 131072, 1] == 16 << 30
     assert by_key["4", 131072, 2] * 2 == by_key["4", 131072, 1]
+
+
+def test_measure_script_on_one_and_two_ranks(tmp_path):
+    """scripts/gpu/tp_measure.py: one process, then 2 ranks (ring on the
+    CPU), each rank's cache bytes equal to the layout's, with first-token
+    and decode times."""
+    import json
+    import subprocess
+    import sys
+
+    from omlx_cache.models import REPO_ROOT
+
+    out = tmp_path / "tp"
+    script = REPO_ROOT / "scripts" / "gpu" / "tp_measure.py"
+    command = [sys.executable, str(script), "--preset", "tp-llama"]
+    command += ["--kv", "fp16", "--kv", "4", "--contexts", "256"]
+    command += ["--decode-steps", "2", "--out", str(out)]
+    done = subprocess.run(
+        command, check=False, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    reports = json.loads((out / "tp-measure.json").read_text())["reports"]
+    assert [(r["ranks"], r["rank"]) for r in reports] == [(1, 0), (2, 0), (2, 1)]
+    for report in reports:
+        heads = tp.TP_LLAMA_CONFIG["num_key_value_heads"] // report["ranks"]
+        for row in report["rows"]:
+            assert row["kv_heads"] == heads and row["nbytes"] == row["layout"], row
+            assert row["first_token_s"] > 0 and row["decode_tok_s"] > 0, row

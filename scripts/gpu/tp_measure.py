@@ -12,7 +12,8 @@ CPU). Random-weight llama at the preset's shape (default Llama-3-8B, 4-bit
 weights); each rank writes ``OUT/ranks{N}/measure-rank{R}.json`` after every
 row, so a run cut short keeps what it measured. Prints one table and writes
 ``OUT/tp-measure.json``; ``--report`` only reads what is there. Exit status 1
-if a rank's cache bytes differ from the layout's.
+if a rank's cache bytes differ from the layout's (contexts in multiples of
+256: fp16's ``KVCache`` grows in steps of 256).
 """
 
 import argparse
