@@ -576,9 +576,9 @@ def measure(
     """On this rank: the preset's random-weight llama sharded over the ranks;
     per scheme and context, caches reserved for ``context`` tokens (as
     ``generate_step`` reserves them), a random prompt of ``context -
-    decode_steps`` tokens prefilled in chunks of ``step`` (the time to the
-    first token's logits), then ``decode_steps`` decode steps pipelined as
-    ``generate_step`` runs them. Each scheme first runs a ``warmup``-token
+    decode_steps - 1`` tokens prefilled in chunks of ``step`` (the time to
+    the first token's logits), then ``decode_steps`` decode steps pipelined
+    as ``generate_step`` runs them (they write one token more). Each scheme first runs a ``warmup``-token
     prompt, so that compilation is not timed. Writes ``measure-rank{R}.json``
     after every row: the rank's KV heads and cache bytes against the
     layout's, its peak memory, first-token time and decode speed."""

@@ -45,7 +45,7 @@ def run_ranks(args, n: int, backend: str):
     else:
         command = tp.launch_command(
             n,
-            tp.free_ports(1),
+            tp.free_ports(n),  # the ring backend takes a port per rank
             [*measure_args(args, out), "--backend", backend],
             backend,
         )
