@@ -1351,6 +1351,51 @@ def test_a_batch_tracks_mlx_lms_batch_cache(n, codecs):
         assert a[1].extract(2).spans.first_keys.shape[2] == n
 
 
+@pytest.mark.parametrize(
+    "settings",
+    [{"recent": 8}, {"recent": 8, "first": 4, "center": "k", "key_scale": "qk"}],
+    ids=["residual", "residual-first-center"],
+)
+def test_a_right_padded_prefill_keeps_each_sequences_recent_tokens(settings):
+    """The server prefills right-padded prompts: a short prompt's rows go to
+    the pages with the long one's old rows, then ``finalize`` moves them to
+    the end. Each sequence's last tokens are held as they came, as alone
+    (4-bit codecs: a decoded row would show): through decode, each attends
+    as its store alone."""
+    codecs = (Affine(4, 64, "hadamard"), Affine(4, 64, "hadamard"))
+    lengths = [6, 40, 24]
+    T = max(lengths)
+    keys, values = random_kv(3, 2, T + 3, 64, seed=5, offset=2)
+    queries = mx.random.normal((3, 4, T, 64))
+    batch = BatchKVStore([0, 0, 0], *codecs, page_size=PAGE, **settings)
+    batch.prepare(lengths=lengths, right_padding=[T - n for n in lengths])
+    mask = batch.make_mask(T, return_array=True)
+    batch.update_and_fetch(keys[:, :, :T], values[:, :, :T])
+    attend(batch, queries, mask)
+    batch.finalize()
+    stores = []
+    for i, n in enumerate(lengths):
+        s = KVStore(*codecs, page_size=PAGE, **settings)
+        s.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+        attend(s, queries[i : i + 1, :, :n], "causal")
+        stores.append(s)
+    for t in range(3):
+        q = mx.random.normal((3, 4, 1, 64))
+        mask = batch.make_mask(1)
+        step = [
+            mx.concatenate(
+                [x[i : i + 1, :, n + t : n + t + 1] for i, n in enumerate(lengths)]
+            )
+            for x in (keys, values)
+        ]
+        batch.update_and_fetch(*step)
+        out = attend(batch, q, mask)
+        for i, s in enumerate(stores):
+            s.update_and_fetch(step[0][i : i + 1], step[1][i : i + 1])
+            want = attend(s, q[i : i + 1], None)
+            assert relative_error(out[i : i + 1], want) < 1e-4, (t, i)
+
+
 def test_right_padding_is_left_out_of_the_transform():
     # first=8: the second prompt has 5 tokens, then right padding
     keys, values, queries = skewed(12, seed=9, batch=2)

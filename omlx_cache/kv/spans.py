@@ -43,6 +43,16 @@ def with_first_rows(rows, first_rows, first, count):
     return mx.where(inside, kept, rows)
 
 
+def placed(slots, rows, pos):
+    """``slots`` (B, heads, n, D) with sequence ``b``'s slot ``j`` replaced by
+    its row ``pos[b, j]`` of ``rows`` (B, heads, T, D), where ``0 <= pos < T``."""
+    T = rows.shape[2]
+    inside = ((pos >= 0) & (pos < T))[:, None, :, None]
+    index = mx.clip(pos, 0, T - 1)[:, None, :, None]
+    index = mx.broadcast_to(index, (*rows.shape[:2], pos.shape[1], rows.shape[3]))
+    return mx.where(inside, mx.take_along_axis(rows, index, axis=2), slots)
+
+
 class Spans:
     def __init__(self, first: int = 0, recent: int = 0):
         self.first = check_tokens(first, "first")
@@ -90,15 +100,8 @@ class Spans:
             return
         # where each sequence's first tokens are among the new ones
         pos = left_padding[:, None] + mx.arange(n) - start
-        written = ((pos >= 0) & (pos < T))[:, None, :, None]
-        index = mx.clip(pos, 0, T - 1)[:, None, :, None]
-
-        def keep(old, new):
-            index_ = mx.broadcast_to(index, (*new.shape[:2], n, new.shape[3]))
-            return mx.where(written, mx.take_along_axis(new, index_, axis=2), old)
-
-        self.first_keys = keep(self.first_keys, keys)
-        self.first_values = keep(self.first_values, values)
+        self.first_keys = placed(self.first_keys, keys, pos)
+        self.first_values = placed(self.first_values, values, pos)
 
     def first_tokens(self, left_padding=0):
         """The first tokens as attention reads them, or None."""

@@ -38,7 +38,7 @@ from .attention import Call, First, attend
 from .codecs import Affine, codec, for_dim
 from .kernels import hold as kernel_hold
 from .rotation import rotate
-from .spans import Spans, check_tokens, with_first_rows
+from .spans import Spans, check_tokens, placed, with_first_rows
 from .transform import Transform
 
 DEFAULT_CODEC = Affine(8)
@@ -939,6 +939,7 @@ class BatchKVStore(KVStore):
         self.offset = mx.array([-p for p in left_padding])
         self._right_padding = None
         self._valid_stop = None
+        self._tails = None
 
     def _is_batch(self) -> bool:
         return True
@@ -983,13 +984,47 @@ class BatchKVStore(KVStore):
             # right padding is left out of what sets the transform
             self._valid_stop = mx.array(lengths) + self._idx
 
+    def update_and_fetch(self, keys, values):
+        if self._right_padding is not None and self.spans.recent:
+            self._keep_tails(keys, values)
+        return super().update_and_fetch(keys, values)
+
+    def _keep_tails(self, keys, values):
+        """Keep each right-padded sequence's last 2R rows as the model made
+        them: a residual's held rows once ``finalize`` moves the prompts to the
+        end (a short prompt's rows are in the pages by then, quantized)."""
+        if self._tails is None:
+            size = 2 * self.spans.recent
+            self._tails = tuple(
+                mx.zeros((*x.shape[:2], size, x.shape[3]), x.dtype)
+                for x in (keys, values)
+            )
+            before = None if self.empty() else self._held_rows(size, 0, keys.dtype)
+            if before is not None:
+                codecs = (self.key_codec, self.value_codec)
+                raw = self.transform.undo(
+                    *(
+                        rotate(x, c.rotation, inverse=True)
+                        for x, c in zip(before, codecs)
+                    )
+                )
+                self._place_tails(raw, self._idx - before[0].shape[2])
+        self._place_tails((keys, values), self._idx)
+
+    def _place_tails(self, rows, start):
+        size = self._tails[0].shape[2]
+        pos = self._valid_stop[:, None] - size + mx.arange(size) - start
+        self._tails = tuple(placed(t, x, pos) for t, x in zip(self._tails, rows))
+
     def finalize(self):
         """Move right-padded prompts to the right end (once, after prefill)."""
         if self._right_padding is None:
             return
         self._flush()
         shift = self._right_padding[:, None]
-        if self.spans.n_held:
+        if self._tails is not None:
+            self._hold_tails()
+        elif self.spans.n_held:
             self._roll_held(self._right_padding)
         if self.key_pages:
             # the rows the roll brings to the front are padding, or older than
@@ -1000,6 +1035,17 @@ class BatchKVStore(KVStore):
         self.offset = self.offset - self._right_padding
         self.left_padding = self.left_padding + self._right_padding
         self._right_padding = None
+
+    def _hold_tails(self):
+        spans, n = self.spans, self.spans.n_held
+        if n:
+            rows = (x[:, :, x.shape[2] - n :] for x in self._tails)
+            held = self._prepared(*rows, rotated=True)
+            spans.held_keys, spans.held_values = (
+                x.astype(y.dtype)
+                for x, y in zip(held, (spans.held_keys, spans.held_values))
+            )
+        self._tails = None
 
     def _roll_held(self, shift):
         """A residual's held rows rolled right by each sequence's ``shift``: the
