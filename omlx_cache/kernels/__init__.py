@@ -50,7 +50,7 @@ def _quantization(call):
 
 
 def _decode_applies(call) -> bool:
-    if not _affine(call) or call.queries.shape[2] != 1:
+    if not _affine(call, sinks=True) or call.queries.shape[2] != 1:
         return False
     return affine_decode.applies(
         call.queries,
@@ -104,6 +104,7 @@ def _decode(call):
         mask=mask,
         held=held,
         first=first,
+        sinks=call.shifted_sinks(),
     )
     return call.finish(out)
 

@@ -734,6 +734,7 @@ def quantized_decode_attention(
     mask=None,
     held=None,
     first=None,
+    sinks=None,
 ):
     """Attention of one query token over the first ``length`` keys of the
     quantized pages, then the ``first`` and the ``held`` ones if given
@@ -741,7 +742,8 @@ def quantized_decode_attention(
     many of them count); arguments as in
     ``quantized_scaled_dot_product_attention`` (``applies`` says which masks
     the kernel takes; an array mask's columns: the pages', the first ones',
-    the held ones')."""
+    the held ones'). ``sinks``: float32 logits (B or 1, n_q_heads, 1) of a
+    key with no value per query head."""
     B, n_q_heads, _, D = queries.shape
     n_kv_heads = key_pages[0][0].shape[-3]
     G = n_q_heads // n_kv_heads
@@ -822,6 +824,12 @@ def quantized_decode_attention(
         values.append(v)
         maxes.append(m)
         sums.append(s)
+    if sinks is not None:
+        # a sink is one more partial: its logit the maximum, a sum of 1, no value
+        sinks = mx.broadcast_to(sinks, (B, n_q_heads, 1)).reshape(rows, 1, G)
+        values.append(mx.zeros((rows, 1, G, D), mx.float32))
+        maxes.append(sinks.astype(mx.float32))
+        sums.append(mx.ones((rows, 1, G), mx.float32))
     if len(values) > 1:
         values = mx.concatenate(values, axis=1)
         maxes = mx.concatenate(maxes, axis=1)

@@ -8,7 +8,7 @@ float32 attention over what the store holds; per-layer timings against fp16
 SDPA and the bytes floor; and a check of MLX CUDA's quantized_matmul at
 attention shapes. One process; JSON out.
 
-    python3 scripts/gpu/decode_kernel_check.py --out $OUT/kernel.json [--parts correctness,speed,qmm]
+    python3 scripts/gpu/decode_kernel_check.py --out $OUT/kernel.json [--parts correctness,sinks,speed,qmm]
 
 ``--dry-run`` runs the same code on the CPU at small shapes, through the
 MLX-ops loop (no kernel applies there): it checks the script, not the kernel.
@@ -55,10 +55,43 @@ CASES = [
     # 34 pages: two launches and the combine kernel
     (64, 4, 1, 4, 64, 4, 64, 33 * 4096 + 5, 1, mx.float16, 0, 0),
 ]
+# attention sinks (GPT-OSS: D 64, 64 q / 8 kv heads): D, n_q_heads, n_kv_heads,
+# T, B, first tokens kept, decode tokens held, centered keys
+SINK_CASES = [
+    (64, 64, 8, 5000, 1, 0, 0, False),
+    (64, 64, 8, 9000, 2, 16, 3, True),
+    (128, 32, 8, 4097, 1, 32, 5, True),
+]
+DRY_SINK_CASES = [(64, 4, 2, 100, 2, 4, 3, True)]
 DRY_CASES = [
     (64, 4, 2, 8, 64, 4, 64, 100, 1, mx.float16, 0, 0),
     (64, 6, 2, 4, 32, 8, 64, 70, 2, mx.float16, 4, 3),
 ]
+
+
+def sinks_correctness(report, cases, page):
+    """4-bit keys and values (centered keys shift the sinks' logits)."""
+    mx.random.seed(1)
+    for D, n_q, n_kv, T, B, first, held, center in cases:
+        store = KVStore(
+            Affine(4, 64, "hadamard"),
+            Affine(4, 64, "hadamard"),
+            first=first,
+            center="k" if center else None,
+            page_size=page,
+        )
+        keys = mx.random.normal((B, n_kv, T, D)) + 2 * mx.random.normal((1, n_kv, 1, D))
+        values = mx.random.normal((B, n_kv, T, D))
+        fill(store, keys.astype(mx.float16), values.astype(mx.float16), decode=held)
+        q = mx.random.normal((B, n_q, 1, D)).astype(mx.float16)
+        sinks = 2 * mx.random.normal((n_q,)) + 4
+        row = {"D": D, "n_q_heads": n_q, "tokens": T, "batch": B, "first": first}
+        row.update(held=store.spans.n_held, centered=center)
+        row.update(compare(store, q, D**-0.5, sinks=sinks))
+        report.add("sinks", row)
+    report["worst_sinks_rel_err"] = worst(report["sinks"], "kernel_rel_err")
+    report.save()
+    print(f"sinks: worst relative error {report['worst_sinks_rel_err']:.2e}")
 
 
 def correctness(report, cases, page):
@@ -155,7 +188,7 @@ def qmm_check(report, shapes):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="decode-kernel.json")
-    parser.add_argument("--parts", default="correctness,speed,qmm")
+    parser.add_argument("--parts", default="correctness,sinks,speed,qmm")
     parser.add_argument(
         "--bandwidth",
         type=float,
@@ -166,13 +199,19 @@ def main():
     args = parser.parse_args()
     report = Report(args.out, start(args))
     if args.dry_run:
-        cases, page, contexts = DRY_CASES, 64, [256]
+        cases, sink_cases, page, contexts = DRY_CASES, DRY_SINK_CASES, 64, [256]
         shapes = ((64, 2, 3),)
     else:
-        cases, page, contexts = CASES, PAGE, [4096, 32768, 131072]
+        cases, sink_cases, page, contexts = (
+            CASES,
+            SINK_CASES,
+            PAGE,
+            [4096, 32768, 131072],
+        )
         shapes = ((64, 3, 3), (64, 3, 512), (128, 8, 4))
     parts = {
         "correctness": partial(correctness, cases=cases, page=page),
+        "sinks": partial(sinks_correctness, cases=sink_cases, page=page),
         "speed": partial(speed, contexts=contexts, page=page, bandwidth=args.bandwidth),
         "qmm": partial(qmm_check, shapes=shapes),
     }

@@ -159,9 +159,10 @@ def stored(store):
     return store.transform.undo(keys, values)
 
 
-def float_attention(queries, keys, values, scale, mask=None):
+def float_attention(queries, keys, values, scale, mask=None, sinks=None):
     """float32 attention by explicit ops, query heads folded onto their KV
-    head (on CUDA float32 matmuls may round in TF32: MLX_ENABLE_TF32=0)."""
+    head (on CUDA float32 matmuls may round in TF32: MLX_ENABLE_TF32=0);
+    ``sinks`` (n_q_heads,): a logit per query head of a key with no value."""
     B, n_q, L, D = queries.shape
     n_kv = keys.shape[1]
     q = queries.astype(mx.float32).reshape(B, n_kv, n_q // n_kv, L, D)
@@ -182,24 +183,32 @@ def float_attention(queries, keys, values, scale, mask=None):
             scores = mx.where(mask, scores, -float("inf"))
         else:
             scores = scores + mask.astype(mx.float32)
-    out = mx.softmax(scores, axis=-1) @ values[:, :, None]
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, n_kv, n_q // n_kv, 1, 1)
+        scores = mx.concatenate(
+            [scores, mx.broadcast_to(sink, (*scores.shape[:-1], 1))], axis=-1
+        )
+    probs = mx.softmax(scores, axis=-1)[..., :S]
+    out = probs @ values[:, :, None]
     return out.reshape(B, n_q, L, -1)
 
 
-def reference(store, queries, scale, mask=None):
+def reference(store, queries, scale, mask=None, sinks=None):
     """float32 attention over what the store holds (``stored``)."""
-    return float_attention(queries, *stored(store), scale, mask)
+    return float_attention(queries, *stored(store), scale, mask, sinks)
 
 
-def attend(store, queries, scale, mask=None):
+def attend(store, queries, scale, mask=None, sinks=None):
     """The store's attention: the kernels where they apply."""
-    return store.scaled_dot_product_attention(queries, None, None, scale, mask)
+    return store.scaled_dot_product_attention(
+        queries, None, None, scale, mask, sinks=sinks
+    )
 
 
-def ops(store, queries, scale, mask=None):
+def ops(store, queries, scale, mask=None, sinks=None):
     """The store's attention through the MLX-ops loop."""
     with kernels.disabled():
-        return attend(store, queries, scale, mask)
+        return attend(store, queries, scale, mask, sinks)
 
 
 def max_error(a, b) -> float:
@@ -213,13 +222,13 @@ def l2_error(a, b) -> float:
     return (mx.linalg.norm(a - b) / mx.linalg.norm(b)).item()
 
 
-def compare(store, queries, scale, mask=None):
+def compare(store, queries, scale, mask=None, sinks=None):
     """The kernels' output (first: a decode kernel may write the incoming
     held token), the ops loop's and the float32 reference's errors."""
-    out = attend(store, queries, scale, mask)
+    out = attend(store, queries, scale, mask, sinks)
     mx.eval(out)
-    ref = reference(store, queries, scale, mask)
-    loop = ops(store, queries, scale, mask)
+    ref = reference(store, queries, scale, mask, sinks)
+    loop = ops(store, queries, scale, mask, sinks)
     return {
         "kernel_rel_err": max_error(out, ref),
         "ops_rel_err": max_error(loop, ref),
