@@ -16,6 +16,14 @@ bits per element and the bytes per token of the scheme.
 
 import sys
 
+from mlx_lm.models.cache import (
+    ArraysCache,
+    CacheList,
+    KVCache,
+    RotatingKVCache,
+    make_prompt_cache,
+)
+
 from . import fit
 from .kv.spec import AVERAGE_CONTEXT, KVSpec, layer_ranges, layer_shapes
 
@@ -82,7 +90,27 @@ def describe(spec: KVSpec, model, max_kv_size=None) -> str:
             f"bounded layers {layer_ranges(bounded)} keep the model's own caches (it reads "
             "its keys itself, and a quantized window's rows do not carry its sinks)"
         )
+    for name, layers in _without_quantized_form(model, max_kv_size).items():
+        notes.append(
+            f"layers {layer_ranges(layers)} keep the model's own {name} "
+            "(no quantized form yet)"
+        )
     return "\n".join([line, *(f"omlx_cache: {n}" for n in notes)])
+
+
+def _without_quantized_form(model, max_kv_size) -> dict:
+    """Layers, by cache class, whose own caches hold keys and values the
+    stores cannot take (recurrent state is not a KV cache; a ``CacheList``'s
+    KV caches become stores)."""
+    caches = make_prompt_cache(model, max_kv_size)
+    out = {}
+    for i, c in enumerate(caches):
+        if type(c) in (KVCache, RotatingKVCache) or isinstance(
+            c, (ArraysCache, CacheList)
+        ):
+            continue
+        out.setdefault(type(c).__name__, []).append(i)
+    return out
 
 
 def from_args(args):

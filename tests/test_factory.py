@@ -185,3 +185,29 @@ def test_a_model_that_reads_its_keys_keeps_its_bounded_caches():
     assert all(isinstance(c, KVStore) for c in spec.make_cache(model))
     assert "2 of 2 layers quantized" in factory.describe(spec, model)
     assert "bounded layers" not in factory.describe(spec, model)
+
+
+def test_the_load_line_names_caches_with_no_quantized_form():
+    """Llama 4's chunked layers keep their ``ChunkedKVCache``: the load line
+    counts the layers quantized and names the others."""
+    from mlx_lm.models import llama4
+    from mlx_lm.models.cache import ChunkedKVCache
+
+    text = {"model_type": "llama4", "attention_chunk_size": 8, "head_dim": 32}
+    text |= {"hidden_size": 128, "interleave_moe_layer_step": 2, "vocab_size": 100}
+    text |= {"intermediate_size": 128, "intermediate_size_mlp": 128}
+    text |= {"num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4}
+    text |= {"num_experts_per_tok": 1, "num_local_experts": 2, "rms_norm_eps": 1e-4}
+    text |= {"rope_scaling": None, "rope_theta": 1000, "use_qk_norm": True}
+    text |= {"attention_bias": False, "max_position_embeddings": 1000}
+    config = {"model_type": "llama4", "text_config": text, "vocab_size": 100}
+    model = llama4.Model(llama4.ModelArgs.from_dict(config))
+    spec = KVSpec.parse("bits=8 group=32")
+    caches = spec.make_cache(model)
+    chunked = [i for i, c in enumerate(caches) if isinstance(c, ChunkedKVCache)]
+    assert chunked == [0, 1, 2]
+    line = factory.describe(spec, model)
+    assert "1 of 4 layers quantized" in line
+    assert (
+        "layers 0-2 keep the model's own ChunkedKVCache (no quantized form yet)" in line
+    )
