@@ -11,10 +11,12 @@ each passes or fails as the model's own caches do on it.
 
 Upstream's test builds each model and hands it to ``model_test_runner``;
 this subclass runs the check there instead. Models over ``MAX_PARAMETERS``
-(upstream builds some at full size, never evaluated) are skipped.
+(upstream builds some at full size, never evaluated) are rebuilt at a small
+shape (``_small``), or skipped where that cannot be done.
 ``docs/architectures.md`` is this test's table.
 """
 
+import dataclasses
 import sys
 import tempfile
 import unittest
@@ -55,6 +57,14 @@ DESELECTED = {
     if line.startswith("tests/test_models.py::")
 }
 RESULTS = {}
+# models upstream's test builds over MAX_PARAMETERS, run here at a small shape
+SMALL = set()
+HEAD_FIELDS = ("num_attention_heads", "n_head", "num_heads", "n_heads")
+KV_HEAD_FIELDS = ("num_key_value_heads", "n_kv_heads", "num_kv_heads")
+WIDTH_FIELDS = {"hidden_size", "n_embd", "d_model"}
+MLP_FIELDS = {"intermediate_size", "ffn_dim", "n_inner"}
+DIM_FIELDS = {"head_dim", "kv_channels"}
+SMALL_HEAD_DIM = {"phi": 80}
 # afm7 rounds its keys and values to an 8-bit grid of a learned step, 1 in
 # upstream's test: whole numbers, on which any rounding difference (the
 # cache's, or float16's) moves a key by a whole step. A checkpoint's steps
@@ -139,6 +149,41 @@ def _outcome(run):
         return f"{type(e).__name__}: {e}".splitlines()[0][:100]
 
 
+def _parameters(model) -> int:
+    return sum(p.size for _, p in tree_flatten(model.parameters()))
+
+
+def _small(model):
+    """The model rebuilt at a small shape (upstream's test builds some at full
+    size): 8 heads of 64 dims (Phi's 80, as its partial rotary needs), MLP
+    width 256, a vocabulary of 1,000; None if its arguments are not a
+    dataclass of the usual names."""
+    args = getattr(model, "args", None)
+    if not dataclasses.is_dataclass(args):
+        return None
+    fields = {f.name for f in dataclasses.fields(args)}
+    heads = next((n for n in HEAD_FIELDS if n in fields), None)
+    if heads is None:
+        return None
+    dim = SMALL_HEAD_DIM.get(args.model_type, 64)
+    kv = next((n for n in KV_HEAD_FIELDS if n in fields and getattr(args, n)), None)
+    changes = {heads: 8, "vocab_size": 1000}
+    if kv is not None:
+        changes[kv] = 8 if getattr(args, kv) == getattr(args, heads) else 2
+    for name in fields & WIDTH_FIELDS:
+        changes[name] = 8 * dim
+    for name in fields & MLP_FIELDS:
+        if getattr(args, name) is not None:
+            changes[name] = 256
+    for name in fields & DIM_FIELDS:
+        if getattr(args, name) is not None:
+            changes[name] = dim
+    try:
+        return type(model)(dataclasses.replace(args, **changes))
+    except Exception:  # noqa: BLE001 (not shrinkable this way)
+        return None
+
+
 class Architectures(test_models.TestModels):
     __test__ = False  # run through test_architecture below
 
@@ -146,10 +191,13 @@ class Architectures(test_models.TestModels):
         mx.random.seed(0)
 
     def model_test_runner(self, model, model_type, vocab_size, num_layers):
-        parameters = sum(p.size for _, p in tree_flatten(model.parameters()))
-        if parameters > MAX_PARAMETERS:
-            RESULTS[self.id(), model_type] = "skipped"
-            return
+        if _parameters(model) > MAX_PARAMETERS:
+            model = _small(model)
+            if model is None or _parameters(model) > MAX_PARAMETERS:
+                RESULTS[self.id(), model_type] = "skipped"
+                return
+            SMALL.add(model_type)
+            vocab_size = model.args.vocab_size
         model.update(
             tree_map(
                 lambda p: (
@@ -299,11 +347,14 @@ def table() -> str:
     for (test, model), result in RESULTS.items():
         if result == "skipped":
             cell = f"not run here (over {MAX_PARAMETERS // 10**6}M parameters)"
+
         elif isinstance(result, str):
             cell = f"fails: {EXPECTED.get(model, result.splitlines()[0])}"
         else:
             quantized, attention, error, others, small, paths = result
             cell = f"{quantized} of {attention} quantized, logits within {error:.3f}"
+            if model in SMALL:
+                cell = f"(small shape) {cell}"
             cell += " | " + _path_cells(paths)
             if small:
                 dims = ", ".join(map(str, small))
