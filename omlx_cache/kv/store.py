@@ -985,7 +985,8 @@ class BatchKVStore(KVStore):
             self._valid_stop = mx.array(lengths) + self._idx
 
     def update_and_fetch(self, keys, values):
-        if self._right_padding is not None and self.spans.recent:
+        padded = self._right_padding is not None and self._valid_stop is not None
+        if padded and self.spans.recent:
             self._keep_tails(keys, values)
         return super().update_and_fetch(keys, values)
 
