@@ -21,15 +21,14 @@ from . import affine_decode, affine_prefill
 from . import codebook as codebook_kernel
 
 
-def _affine(call, sinks=False) -> bool:
+def _affine(call) -> bool:
     """Whether a call's codecs are both affine and nothing bars the kernels:
-    sinks (unless ``sinks``), or first tokens whose visibility the mask does
-    not give."""
+    first tokens whose visibility the mask does not give. (Sinks: decode
+    and the dequantized prefill take them, the fused prefill does not.)"""
     return (
         bool(call.key_pages)
         and isinstance(call.key_codec, Affine)
         and isinstance(call.value_codec, Affine)
-        and (sinks or call.sinks is None)
         and (call.first is None or call.first.mask is None)
         and (call.recent is None or call.recent.rotated)
     )
@@ -50,7 +49,7 @@ def _quantization(call):
 
 
 def _decode_applies(call) -> bool:
-    if not _affine(call, sinks=True) or call.queries.shape[2] != 1:
+    if not _affine(call) or call.queries.shape[2] != 1:
         return False
     return affine_decode.applies(
         call.queries,
@@ -122,7 +121,7 @@ def _affine_hold(keys, values, key_codec, value_codec):
 def _prefill_path(call):
     """The prefill kernel that takes this call, or None (sinks: the
     dequantized copies only)."""
-    if not _affine(call, sinks=True) or call.queries.shape[2] == 1:
+    if not _affine(call) or call.queries.shape[2] == 1:
         return None
     args = (call.queries, call.mask, call.key_pages, call.value_pages)
     bits = (call.key_codec.bits, call.value_codec.bits)
