@@ -347,7 +347,6 @@ def table() -> str:
     for (test, model), result in RESULTS.items():
         if result == "skipped":
             cell = f"not run here (over {MAX_PARAMETERS // 10**6}M parameters)"
-
         elif isinstance(result, str):
             cell = f"fails: {EXPECTED.get(model, result.splitlines()[0])}"
         else:
