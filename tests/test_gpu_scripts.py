@@ -29,7 +29,8 @@ def test_rows(tmp_path, monkeypatch):
     _, alone, three = report["rows"]
     assert three["prompt_tokens"] == 300 + 260 + 220
     assert alone["prefill_vs_fp16"] > 0 and "prefill_vs_alone" in three
-    assert alone["first_call_prefill_s"] > 0 and "first_call_prefill_s" not in three
+    # every batch's first call (kernel compiles) is timed apart
+    assert alone["first_call_prefill_s"] > 0 and three["first_call_prefill_s"] > 0
     assert all(r["decode_tok_s"] > 0 and r["prefill_s"] > 0 for r in report["rows"])
 
 

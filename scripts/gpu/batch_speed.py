@@ -5,9 +5,8 @@ What the server runs for concurrent requests: ``n`` random prompts of
 the server pads), then decoded together, with random 4-bit weights at a bench
 preset's shape. Per batch and KV scheme, side by side in one process: the
 time to every prompt's first token, decode tokens/s of the whole batch and
-the peak memory over the weights. A ``1 x LENGTH`` batch runs twice (its
-first call, which compiles kernels for the context's page count, is kept
-apart), so the batches of that length after it run warm. Schemes: ``fp16`` (mlx-lm's own caches) or
+the peak memory over the weights. Each batch runs twice (its first call,
+which compiles kernels for its shapes, is kept apart): the rows are warm. Schemes: ``fp16`` (mlx-lm's own caches) or
 any ``omlx_cache.kv.spec`` scheme; ``--jitter J`` makes prompt ``i`` ``i * J``
 tokens shorter, so the batch is padded.
 
@@ -111,14 +110,13 @@ def main():
         for scheme in opts.schemes:
             if scheme == "fp16" and n * length > opts.fp16_max_tokens:
                 continue
-            first_call = None
-            if n == 1:
-                # a context's first call compiles kernels for its page count:
-                # timed apart, so that the batches after it are compared warm
-                first_call = run(model, scheme, n, length, 2, opts.jitter, weights)
+            # a batch's first call compiles kernels for its shapes (the masked
+            # prefill's, the page count's, a held buffer's first flush after
+            # 32 decode tokens): timed apart, so that schemes and batches are
+            # compared warm
+            first_call = run(model, scheme, n, length, 40, opts.jitter, weights)
             row = run(model, scheme, n, length, opts.tokens, opts.jitter, weights)
-            if first_call:
-                row["first_call_prefill_s"] = first_call["prefill_s"]
+            row["first_call_prefill_s"] = first_call["prefill_s"]
             if scheme == "fp16":
                 fp16 = row
             elif fp16:
