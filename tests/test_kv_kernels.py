@@ -376,6 +376,31 @@ def test_decode_reads_first_tokens_as_held_ones(first, B, mask, held):
     assert relative_error(ops_attention(call), want) < 1e-5
 
 
+def test_the_first_tokens_mask_is_made_once_a_step():
+    """A step's layers share the model's mask and their first tokens' rows:
+    the decode kernel's mask is made by the first layer only; another mask,
+    other rows or more held tokens make it anew."""
+    padding = mx.array([0, 10, 33])
+    visible = (mx.arange(95)[None] >= padding[:, None])[:, None, None]
+    layers = [affine_call(B=3, first=padding, held=5, mask=visible) for _ in range(3)]
+    for call in layers:
+        call.first = call.first._replace(key=((0, 10, 33), 0))
+    made = [backend._first_mask(call, 5) for call in layers]
+    assert made[1] is made[0] and made[2] is made[0]
+    want = affine_decode.first_tokens_mask(padding, 8, 5, visible, 90, 3)
+    assert mx.array_equal(made[0], want)
+    other = layers[0]
+    assert backend._first_mask(other, 4) is not made[0]
+    other.mask = visible[..., :]
+    assert backend._first_mask(other, 5) is not made[0]
+    other.first = other.first._replace(key=((0, 11, 33), 0))
+    again = backend._first_mask(other, 5)
+    assert backend._first_mask(other, 5) is again
+    # without a key (rows the store does not name) it is made every time
+    other.first = other.first._replace(key=None)
+    assert backend._first_mask(other, 5) is not backend._first_mask(other, 5)
+
+
 @pytest.mark.parametrize("mask", [None, "bool", "additive"])
 @pytest.mark.parametrize("held", [0, 5])
 def test_decode_takes_first_tokens_before_the_pages_as_held_ones(mask, held):

@@ -1257,10 +1257,11 @@ def test_filter_and_extend_track_the_stores_alone():
     batch = KVStore.merge(stores)
     batch.filter([0, 1])  # drops 33 rows of shared padding
     assert batch.left_padding.tolist() == [32, 0] and batch.size() == 37
+    assert batch.padding() == (32, 0)  # read once, kept until it changes
     assert batch.transform.key_mean.shape[0] == 2
     others = singles([12, 100], seed=1, first=4, center="k")
     batch.extend(KVStore.merge(others))
-    assert batch.left_padding.tolist() == [95, 63, 88, 0]
+    assert batch.padding() == (95, 63, 88, 0)
     assert batch.offset.tolist() == [5, 37, 12, 100] and batch.size() == 100
     kept = [stores[0], stores[1], *others]
     for i in range(4):

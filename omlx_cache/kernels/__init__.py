@@ -78,17 +78,33 @@ def first_tokens_visible(mask, length, count):
     return mx.concatenate([mask[..., :length], visible, mask[..., length:]], axis=-1)
 
 
+# (what the last mask was made from, the call's mask, the mask made)
+_last_first_mask = [None]
+
+
+def _first_mask(call, n_held):
+    """``affine_decode.first_tokens_mask`` for a call, made once a step: a
+    model's layers attend with one mask and the same first tokens, and each
+    layer making it again launches a dozen small ops."""
+    first, B = call.first, call.queries.shape[0]
+    key = (first.key, first.count, n_held, call.length, B)
+    last = _last_first_mask[0]
+    if first.key is not None and last and last[0] == key and last[1] is call.mask:
+        return last[2]
+    mask = affine_decode.first_tokens_mask(
+        first.first, first.count, n_held, call.mask, call.length, B
+    )
+    _last_first_mask[0] = (key, call.mask, mask)
+    return mask
+
+
 def _decode(call):
     held, mask, first = _held(call), call.mask, call.first
     if first is not None:
         count = first.count
         if not (isinstance(first.first, int) and first.first + count <= 0):
             # the pages hold copies of the first tokens: hidden
-            n_held = held[2] if held else 0
-            B = call.queries.shape[0]
-            mask = affine_decode.first_tokens_mask(
-                first.first, count, n_held, mask, call.length, B
-            )
+            mask = _first_mask(call, held[2] if held else 0)
         else:
             # the pages hold none of them: visible to the query, after them
             mask = first_tokens_visible(mask, call.length, count)

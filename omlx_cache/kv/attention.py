@@ -43,13 +43,15 @@ class First(NamedTuple):
     int, or one per sequence: a (B,) array; negative where the pages no
     longer hold them), in the codecs' rotated domains. ``mask``: their
     visibility (B or 1, 1, L, count) where the call's mask does not say it
-    (a bounded store's sinks)."""
+    (a bounded store's sinks). ``key``: what ``first`` is, hashable (masks
+    made from it are made once a step), or None."""
 
     keys: mx.array
     values: mx.array
     first: object
     count: int
     mask: mx.array | None = None
+    key: tuple | None = None
 
 
 class Recent(NamedTuple):
@@ -371,7 +373,7 @@ def ops_attention(call: Call) -> mx.array:
         half_energy = 0.5 * float(key_codec.debias) * mx.square(queries).sum(-1, True)
     skip = 0
     if call.first is not None:
-        keys, values, first, count, first_mask = call.first
+        keys, values, first, count, first_mask, _ = call.first
         if isinstance(first, int):
             positions = first + mx.arange(count)
             skip = max(first + count, 0)

@@ -233,6 +233,10 @@ class KVStore:
     def _max_padding(self) -> int:
         return 0
 
+    def padding(self) -> tuple:
+        """Each sequence's left padding, as ints."""
+        return (self.left_padding,)
+
     def _keep_first(self, keys, values, row):
         """Keep those of ``keys`` and ``values`` (as the model made them),
         which go to rows ``row`` on, that are among each sequence's first
@@ -460,9 +464,10 @@ class KVStore:
         first = self.spans.first_tokens(self.left_padding)
         if first is None:
             return None
-        start = first.first - self.dropped
+        start = first.first - self.dropped if self.dropped else first.first
         mask = self._first_mask(queries) if self.window is not None else None
-        return First(first.keys, first.values, start, first.count, mask)
+        key = (self.padding(), self.dropped)
+        return First(first.keys, first.values, start, first.count, mask, key)
 
     def scaled_dot_product_attention(
         self, queries, keys, values, scale, mask, sinks=None
@@ -944,15 +949,30 @@ class BatchKVStore(KVStore):
     def _is_batch(self) -> bool:
         return True
 
+    @property
+    def left_padding(self):
+        return self._left_padding
+
+    @left_padding.setter
+    def left_padding(self, value):
+        self._left_padding = value
+        self._padding = None
+
+    def padding(self) -> tuple:
+        # read from the device once, not at every layer's every step
+        if self._padding is None:
+            self._padding = tuple(self._left_padding.tolist())
+        return self._padding
+
     def _max_padding(self) -> int:
-        return max(self.left_padding.tolist(), default=0)
+        return max(self.padding(), default=0)
 
     def _first_complete(self, rows) -> bool:
         # A sequence's rows after its first tokens are read from the pages:
         # with unequal left padding the transform is fixed before the first
         # of them is written, the more padded sequences' from the first
         # tokens they have then (none: no transform).
-        padding = self.left_padding.tolist()
+        padding = self.padding()
         if not padding:
             return False
         first = self.spans.first
@@ -1110,7 +1130,7 @@ class BatchKVStore(KVStore):
         if spans.n_held:
             spans.held_keys = spans.held_keys[batch_indices]
             spans.held_values = spans.held_values[batch_indices]
-        shared = min(self.left_padding.tolist(), default=0) - self.dropped
+        shared = min(self.padding(), default=0) - self.dropped
         # (padding rows a residual still holds stay there, masked)
         shared = min(shared, self._written - self.dropped)
         if shared <= 0 or self.window is not None:
@@ -1134,7 +1154,7 @@ class BatchKVStore(KVStore):
         self._flush()
         settings = self.settings
         store = KVStore(**settings)
-        padding = self.left_padding.tolist()[idx]
+        padding = self.padding()[idx]
         n = self._idx - padding
         store.offset = store._idx = n
         store._written = self._written - padding
