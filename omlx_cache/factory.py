@@ -72,7 +72,8 @@ def spec_from_args(args) -> KVSpec:
 
 def describe(spec: KVSpec, model, max_kv_size=None) -> str:
     """One line: the layers quantized, bits per element, bytes per token."""
-    own = layer_shapes(model, max_kv_size)
+    caches = make_prompt_cache(model, max_kv_size)
+    own = layer_shapes(model, max_kv_size, caches)
     shapes = spec.stored_shapes(model, own, max_kv_size)
     quantized = spec.quantized_layers(shapes)
     footprint = spec.footprint(shapes, AVERAGE_CONTEXT)
@@ -90,7 +91,7 @@ def describe(spec: KVSpec, model, max_kv_size=None) -> str:
             f"bounded layers {layer_ranges(bounded)} keep the model's own caches (it reads "
             "its keys itself, and a quantized window's rows do not carry its sinks)"
         )
-    for name, layers in _without_quantized_form(model, max_kv_size).items():
+    for name, layers in _without_quantized_form(caches).items():
         notes.append(
             f"layers {layer_ranges(layers)} keep the model's own {name} "
             "(no quantized form yet)"
@@ -98,11 +99,10 @@ def describe(spec: KVSpec, model, max_kv_size=None) -> str:
     return "\n".join([line, *(f"omlx_cache: {n}" for n in notes)])
 
 
-def _without_quantized_form(model, max_kv_size) -> dict:
-    """Layers, by cache class, whose own caches hold keys and values the
-    stores cannot take (recurrent state is not a KV cache; a ``CacheList``'s
-    KV caches become stores)."""
-    caches = make_prompt_cache(model, max_kv_size)
+def _without_quantized_form(caches) -> dict:
+    """Layers, by cache class, whose own caches (``caches``) hold keys and
+    values the stores cannot take (recurrent state is not a KV cache; a
+    ``CacheList``'s KV caches become stores)."""
     out = {}
     for i, c in enumerate(caches):
         if type(c) in (KVCache, RotatingKVCache) or isinstance(

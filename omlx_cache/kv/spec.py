@@ -574,12 +574,14 @@ class LayerShape:
     keep: int = 0
 
 
-def layer_shapes(model, max_kv_size=None) -> list:
+def layer_shapes(model, max_kv_size=None, caches=None) -> list:
     """Each layer's KV heads, head dims and window, read off the model's own
-    caches after one token (None: a cache with no quantized form)."""
+    caches (made here unless given, empty) after one token (None: a cache with
+    no quantized form)."""
     from mlx_lm.models.cache import KVCache, RotatingKVCache, make_prompt_cache
 
-    caches = make_prompt_cache(model, max_kv_size)
+    if caches is None:
+        caches = make_prompt_cache(model, max_kv_size)
     mx.eval(model(mx.array([[0]]), cache=caches))
     shapes = []
     for c in caches:
