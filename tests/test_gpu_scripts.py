@@ -32,6 +32,8 @@ def test_rows(tmp_path, monkeypatch):
     # every batch's first call (kernel compiles) is timed apart
     assert alone["first_call_prefill_s"] > 0 and three["first_call_prefill_s"] > 0
     assert all(r["decode_tok_s"] > 0 and r["prefill_s"] > 0 for r in report["rows"])
+    assert all(0 < r["step_ms_median"] <= r["step_ms_p90"] for r in report["rows"])
+    assert alone["step_median_vs_fp16"] > 0
 
 
 def test_random_model_loads(tmp_path):

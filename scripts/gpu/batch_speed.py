@@ -4,9 +4,11 @@ What the server runs for concurrent requests: ``n`` random prompts of
 ``length`` tokens prefilled together in 2,048-token steps (masked, padded as
 the server pads), then decoded together, with random 4-bit weights at a bench
 preset's shape. Per batch and KV scheme, side by side in one process: the
-time to every prompt's first token, decode tokens/s of the whole batch and
-the peak memory over the weights. Each batch runs twice (its first call,
-which compiles kernels for its shapes, is kept apart): the rows are warm. Schemes: ``fp16`` (mlx-lm's own caches) or
+time to every prompt's first token, decode tokens/s of the whole batch, a
+decode step's median and 90th-percentile time (a few slow steps, fp16's too,
+move the mean from run to run) and the peak memory over the weights. Each
+batch runs twice (its first call, which compiles kernels for its shapes, is
+kept apart): the rows are warm. Schemes: ``fp16`` (mlx-lm's own caches) or
 any ``omlx_cache.kv.spec`` scheme; ``--jitter J`` makes prompt ``i`` ``i * J``
 tokens shorter, so the batch is padded.
 
@@ -47,19 +49,27 @@ def run(model, scheme, n, length, tokens, jitter, weights):
     mx.reset_peak_memory()
     start = time.perf_counter()
     gen.insert(prompts, caches=caches)
-    first, generated = None, 0
+    first = last = None
+    generated, steps = 0, []
     while responses := gen.next_generated():
+        now = time.perf_counter()
         if first is None:
-            first = time.perf_counter()
+            first = now
+        else:
+            steps.append(now - last)
+        last = now
         generated += len(responses)
     end = time.perf_counter()
     gen.close()
+    steps = sorted(steps) or [0.0]
     return {
         "batch": f"{n}x{length}",
         "scheme": scheme,
         "prompt_tokens": sum(len(p) for p in prompts),
         "prefill_s": first - start,
         "decode_tok_s": (generated - n) / (end - first),
+        "step_ms_median": 1e3 * steps[len(steps) // 2],
+        "step_ms_p90": 1e3 * steps[int(0.9 * len(steps))],
         "peak_over_weights_gib": (mx.get_peak_memory() - weights) / 2**30,
     }
 
@@ -122,6 +132,9 @@ def main():
             elif fp16:
                 row["prefill_vs_fp16"] = row["prefill_s"] / fp16["prefill_s"]
                 row["decode_vs_fp16"] = row["decode_tok_s"] / fp16["decode_tok_s"]
+                row["step_median_vs_fp16"] = (
+                    fp16["step_ms_median"] / row["step_ms_median"]
+                )
             alone = next(
                 (
                     r
@@ -136,10 +149,16 @@ def main():
             print(
                 f"{row['batch']:>9} {scheme:<8} prefill {row['prefill_s']:7.2f} s"
                 f"  decode {row['decode_tok_s']:7.1f} tok/s"
+                f" (step median {row['step_ms_median']:.1f} ms)"
                 f"  peak {row['peak_over_weights_gib']:6.2f} GiB"
                 + "".join(
                     f"  {k} {row[k]:.2f}x"
-                    for k in ("prefill_vs_fp16", "decode_vs_fp16", "prefill_vs_alone")
+                    for k in (
+                        "prefill_vs_fp16",
+                        "decode_vs_fp16",
+                        "step_median_vs_fp16",
+                        "prefill_vs_alone",
+                    )
                     if k in row
                 ),
                 flush=True,
