@@ -22,7 +22,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 from tiny_gemma import tiny_gemma
 from tiny_llama import CONFIG, make_model
 
-from omlx_cache.kv import Affine, BatchKVStore, Codebook, KVStore, Plain
+from omlx_cache.kv import Affine, BatchKVStore, Codebook, KVStore, Plain, attention
 from omlx_cache.kv.rotation import rotate
 from omlx_cache.kv.spec import KVSpec
 from omlx_cache.kv.transform import Transform, first_write_mean, query_key_weights
@@ -1593,6 +1593,41 @@ def test_batch_generator_matches_single_generation(model):
     while responses := gen.next_generated():
         for r in responses:
             tokens[r.uid].append(r.token)
+    for uid, prompt in zip(uids, prompts):
+        steps = generate_step(
+            mx.array(prompt), model, max_tokens=6, prompt_cache=caches()
+        )
+        assert tokens[uid] == [int(t) for t, _ in steps]
+
+
+def test_batched_decode_makes_the_first_tokens_masks_once_a_step(model, monkeypatch):
+    """A decode step's layers attend with one mask and the same first
+    tokens: the MLX-ops loop makes their masks once for all of them."""
+    made = []
+    first_masks = attention._first_masks
+
+    def counted(mask, first, length, end, heads):
+        if heads[0] == 1:
+            made.append((length, end))
+        return first_masks(mask, first, length, end, heads)
+
+    monkeypatch.setattr(attention, "_first_masks", counted)
+    prompts = [list(range(3, 30)), [5, 6, 7, 8, 9, 10], list(range(40, 52))]
+
+    def caches():
+        return [
+            KVStore(Affine(4), center="k", first=4, key_scale="qk")
+            for _ in model.layers
+        ]
+
+    gen = BatchGenerator(model, max_tokens=6, completion_batch_size=3)
+    uids = gen.insert(prompts, caches=[caches() for _ in prompts])
+    tokens = {uid: [] for uid in uids}
+    while responses := gen.next_generated():
+        for r in responses:
+            tokens[r.uid].append(r.token)
+    assert len(model.layers) > 1 and len(made) >= 4
+    assert len(set(made)) == len(made)
     for uid, prompt in zip(uids, prompts):
         steps = generate_step(
             mx.array(prompt), model, max_tokens=6, prompt_cache=caches()

@@ -14,6 +14,7 @@ Imported by ``omlx_cache.kv.kernels`` at the first use.
 
 import mlx.core as mx
 
+from ..kv.attention import shared
 from ..kv.codecs import Affine
 from ..kv.kernels import Hold, Kernel, register_attention, register_encoder
 from ..kv.rotation import rotate
@@ -78,24 +79,14 @@ def first_tokens_visible(mask, length, count):
     return mx.concatenate([mask[..., :length], visible, mask[..., length:]], axis=-1)
 
 
-# (what the last mask was made from, the call's mask, the mask made)
-_last_first_mask = [None]
-
-
 def _first_mask(call, n_held):
-    """``affine_decode.first_tokens_mask`` for a call, made once a step: a
-    model's layers attend with one mask and the same first tokens, and each
-    layer making it again launches a dozen small ops."""
+    """``affine_decode.first_tokens_mask`` for a call, made once a step."""
     first, B = call.first, call.queries.shape[0]
-    key = (first.key, first.count, n_held, call.length, B)
-    last = _last_first_mask[0]
-    if first.key is not None and last and last[0] == key and last[1] is call.mask:
-        return last[2]
-    mask = affine_decode.first_tokens_mask(
-        first.first, first.count, n_held, call.mask, call.length, B
-    )
-    _last_first_mask[0] = (key, call.mask, mask)
-    return mask
+    args = (first.first, first.count, n_held, call.mask, call.length, B)
+    if first.key is None:
+        return affine_decode.first_tokens_mask(*args)
+    key = ("affine-decode first", first.key, first.count, n_held, call.length, B)
+    return shared(key, call.mask, affine_decode.first_tokens_mask, *args)
 
 
 def _decode(call):

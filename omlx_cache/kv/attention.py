@@ -292,6 +292,44 @@ def without_positions(mask, first, count, length, L, stored=None):
     return mx.where(hidden, -float("inf"), mask)
 
 
+def _first_masks(mask, first: First, length, end, heads):
+    """The first tokens' mask, and ``mask`` with their copies in the pages
+    hidden where they start at a row per sequence (first tokens the pages do
+    not hold yet are the recent ones, as for a single sequence)."""
+    start, count = first.first, first.count
+    if first.mask is not None:
+        first_mask = _fit_heads(first.mask, heads[0], count, *heads[1:])
+    elif isinstance(start, int):
+        first_mask = positions_mask(mask, start + mx.arange(count), length, *heads, end)
+    else:
+        positions = start[:, None] + mx.arange(count)
+        first_mask = positions_mask(mask, positions, length, *heads, end)
+    if not isinstance(start, int):
+        mask = without_positions(mask, start, count, end, heads[0], length)
+    return first_mask, mask
+
+
+def _recent_mask(mask, n, length, end, heads):
+    """The mask of the ``n`` recent tokens after the pages' ``length`` rows."""
+    return positions_mask(mask, length + mx.arange(n), end, *heads, end)
+
+
+# masks of this decode step: the mask they were made from, {key: made}
+_made = [None, {}]
+
+
+def shared(key, mask, make, *args):
+    """``make(*args)``, a mask made from a decode call's ``mask`` and ``key``
+    (what else it is made from, hashable), made once for all the layers of a
+    step: they attend with one mask, and each layer making it again adds
+    small ops to the step (host time and launches)."""
+    if _made[0] is not mask or len(_made[1]) >= 256:
+        _made[:] = [mask, {}]
+    if key not in _made[1]:
+        _made[1][key] = make(*args)
+    return _made[1][key]
+
+
 class _Softmax:
     """The online softmax's state: the running maximum and the output with the
     row sums in its last column (one chain of results, so a tile's
@@ -371,27 +409,33 @@ def ops_attention(call: Call) -> mx.array:
     half_energy = None
     if getattr(key_codec, "debias", False):
         half_energy = 0.5 * float(key_codec.debias) * mx.square(queries).sum(-1, True)
+    made_from = (length, end, heads)
+    if call.first is not None:
+        made_from += (call.first.key, call.first.count)
+    # a decode step's layers attend with one mask and the same first tokens
+    step = L == 1 and (
+        call.first is None or (call.first.key is not None and call.first.mask is None)
+    )
+
+    def once(key, make, *args):
+        """``make(*args)``, a mask made from the call's: in decode, once a step."""
+        if not step:
+            return make(*args)
+        return shared((key, made_from), call.mask, make, *args)
+
     skip = 0
     if call.first is not None:
-        keys, values, first, count, first_mask, _ = call.first
+        keys, values, first, count = call.first[:4]
         if isinstance(first, int):
-            positions = first + mx.arange(count)
             skip = max(first + count, 0)
-        else:
-            positions = first[:, None] + mx.arange(count)
-        if first_mask is None:
-            first_mask = positions_mask(mask, positions, length, *heads, end)
-        else:
-            first_mask = _fit_heads(first_mask, L, count, n_q_heads, n_kv_heads)
+        first_mask, mask = once(
+            "first", _first_masks, mask, call.first, length, end, heads
+        )
         softmax.add(
             _float_scores(queries, keys[..., :count, :]),
             first_mask,
             _weigh_float(values[..., :count, :]),
         )
-        if not isinstance(first, int):
-            # the pages' copies are hidden; first tokens the pages do not
-            # hold yet are the recent ones (as for a single sequence)
-            mask = without_positions(mask, first, count, end, L, length)
     page_start = 0
     for k_page, v_page in zip(call.key_pages, call.value_pages):
         page_size = k_page[0].shape[2]
@@ -406,18 +450,10 @@ def ops_attention(call: Call) -> mx.array:
             if half_energy is not None:
                 variance = key_codec.error_variance(k_tile[1], queries.shape[-1])
                 scores = scores - half_energy * variance.swapaxes(-1, -2)
-            first_new = max(page_start + new, skip)
+            cols = (page_start + start, max(page_start + new, skip), page_start + stop)
             softmax.add(
                 scores,
-                tile_mask(
-                    mask,
-                    page_start + start,
-                    first_new,
-                    page_start + stop,
-                    length,
-                    *heads,
-                    end,
-                ),
+                once(("tile", cols), tile_mask, mask, *cols, length, *heads, end),
                 _weigh_tile(value_codec, v_tile),
             )
             if L > 1 and scores.size >= tile_scores() // 64:
@@ -434,7 +470,7 @@ def ops_attention(call: Call) -> mx.array:
             values = rotate(values, value_codec.rotation)
         softmax.add(
             _float_scores(queries, keys),
-            positions_mask(mask, length + mx.arange(n), end, *heads, end),
+            once("recent", _recent_mask, mask, n, length, end, heads),
             _weigh_float(values),
         )
     out = softmax.result().astype(dtype).reshape(B, n_q_heads, L, -1)
