@@ -299,10 +299,9 @@ def _first_masks(mask, first: First, length, end, heads):
     start, count = first.first, first.count
     if first.mask is not None:
         first_mask = _fit_heads(first.mask, heads[0], count, *heads[1:])
-    elif isinstance(start, int):
-        first_mask = positions_mask(mask, start + mx.arange(count), length, *heads, end)
     else:
-        positions = start[:, None] + mx.arange(count)
+        rows = start if isinstance(start, int) else start[:, None]
+        positions = rows + mx.arange(count)
         first_mask = positions_mask(mask, positions, length, *heads, end)
     if not isinstance(start, int):
         mask = without_positions(mask, start, count, end, heads[0], length)
