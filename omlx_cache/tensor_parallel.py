@@ -391,8 +391,8 @@ def scheme_quantization(name: str):
     if spec.is_reference:
         return None
     codecs = spec.codecs()
-    if not all(isinstance(c, Affine) for c in codecs):
-        raise ValueError(f"No affine layout for scheme {name!r}.")
+    if not all(isinstance(c, Affine) and c.offset == "float" for c in codecs):
+        raise ValueError(f"No affine layout with float offsets for scheme {name!r}.")
     return tuple((c.bits, c.group_size) for c in codecs)
 
 

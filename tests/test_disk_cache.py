@@ -57,6 +57,7 @@ SCHEMES = [
     "bits=8,4",
     "bits=4",
     "bits=4 recent=16",
+    "bits=4 group=32 offset=int",
     "codec=codebook bits=4 center=k first=8",
 ]
 KINDS = {

@@ -233,7 +233,41 @@ def test_affine_is_mlx_quantization_after_the_rotation(bits, group, rotation):
     assert (decoded - rotate(x, rotation)).abs().max().item() < step.item()
 
 
-@pytest.mark.parametrize("c", [Affine(8, 64), Affine(4, 32, "hadamard"), Codebook(3)])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_integer_offsets_decode_as_mlx_scales_and_biases(bits):
+    """A word holds the scale (rounded up to what it keeps) and the zero point:
+    the page decodes as ``mx.dequantize`` with those scales and biases
+    (``scale * zero`` exact in float16), each value within half a step of
+    its input and 0 exactly."""
+    x = mx.random.normal((2, 3, 10, 64), key=mx.random.key(bits)) * 3
+    x[..., :32] = mx.abs(x[..., :32])  # groups on one side of 0
+    x[0, 0, 0] = 0
+    c = Affine(bits, 32, offset="int")
+    packed, words = page = c.encode(x)
+    scales, biases = c.quantized(page, mx.float16)[1:]
+    assert mx.all(scales > 0).item()
+    want = mx.dequantize(packed, scales, biases, group_size=32, bits=bits)
+    decoded = c.decode(page, mx.float32)
+    assert mx.array_equal(decoded, want.astype(mx.float32))
+    step = mx.repeat(scales.astype(mx.float32), 32, axis=-1)
+    assert mx.all((decoded - x).abs() <= step / 2 + 1e-6).item()
+    assert mx.all(decoded[0, 0, 0] == 0).item()
+
+
+def test_integer_offsets_in_groups_of_32_beat_float_ones_in_groups_of_64():
+    """At the same 4.5 bits an element, a quarter less squared error."""
+    x = mx.random.normal((4, 8, 64, 128), key=mx.random.key(0))
+    errors = {}
+    for c in (Affine(4, 64), Affine(4, 32, offset="int")):
+        errors[c.offset] = relative_error(c.decode(c.encode(x), mx.float32), x)
+        assert c.bits_per_element(128) == 4.5
+    assert errors["int"] < 0.85 * errors["float"]
+
+
+@pytest.mark.parametrize(
+    "c",
+    [Affine(8, 64), Affine(4, 32, "hadamard"), Affine(4, 32, offset="int"), Codebook(3)],
+)
 @pytest.mark.parametrize("rows", [1, CPU_DEQUANTIZED_ROWS])
 def test_scores_and_weigh_are_products_with_the_decoded_tile(c, rows):
     # few rows: mx.quantized_matmul; many: a product with the decoded tile
@@ -262,6 +296,7 @@ def test_plain_stores_what_it_is_given():
     [
         (Affine(4, 64), 128, [((16,), mx.uint32), ((2,), None), ((2,), None)]),
         (Affine(8, 32), 64, [((16,), mx.uint32), ((2,), None), ((2,), None)]),
+        (Affine(4, 32, offset="int"), 64, [((8,), mx.uint32), ((2,), mx.uint16)]),
         (Codebook(3), 128, [((12,), mx.uint32), ((1,), mx.float16)]),
         (Codebook(5), 64, [((10,), mx.uint32), ((1,), mx.float16)]),
         (Plain(), 64, [((64,), None)]),
@@ -288,6 +323,8 @@ def test_empty_pages_hold_what_encode_writes(c, dim, shapes):
         (Affine(4, 64), 128, 4.5),
         (Affine(8, 32), 64, 9.0),
         (Affine(3, 128), 128, 3.25),
+        (Affine(4, 32, offset="int"), 64, 4.5),
+        (Affine(2, 64, offset="int"), 128, 2.25),
         (Codebook(3), 128, 3.125),
         (Codebook(3), 64, 3.25),
         (Codebook(4, norm_bits=8), 64, 4.125),
@@ -296,8 +333,8 @@ def test_empty_pages_hold_what_encode_writes(c, dim, shapes):
 )
 def test_bits_per_element(c, dim, bits):
     assert c.bits_per_element(dim) == bits
-    if isinstance(c, Codebook):
-        # what a page costs, its norms in float16 (or uint8)
+    if isinstance(c, Codebook) or getattr(c, "offset", "") == "int":
+        # what a page costs, its norms in float16 (or uint8), its words
         page = c.encode(mx.random.normal((1, 2, 10, dim)))
         stored = sum(x.nbytes for x in page) * 8 / (2 * 10 * dim)
         assert stored == bits
@@ -317,6 +354,7 @@ def test_codec_specs_round_trip():
         Codebook(2, "none", "length", 8, 2.0),
         Affine(4, 32),
         Affine(8, 128, "hadamard"),
+        Affine(4, 32, "hadamard", "int"),
         Plain(),
     ):
         assert codec(c.spec) == c
@@ -324,6 +362,7 @@ def test_codec_specs_round_trip():
     assert Codebook(4, debias=True).spec == "codebook-4-hadamard-dot-debias"
     assert Codebook(5, debias=3.5).spec == "codebook-5-hadamard-dot-debias3.5"
     assert Affine(4, 32).spec == "affine-4-32-none"
+    assert Affine(4, 32, offset="int").spec == "affine-4-32-none-int"
     assert codec(3) == Codebook(3)
 
 
@@ -341,6 +380,8 @@ def test_unknown_codec_specs_are_refused(spec):
         (lambda: Affine(7), "bits must be one of"),
         (lambda: Affine(1), "bits must be one of"),
         (lambda: Affine(4, 48), "group size must be one of"),
+        (lambda: Affine(4, offset="half"), "offset must be one of"),
+        (lambda: Affine(3, offset="int"), "offset=int takes bits 2, 4 or 8"),
         (lambda: Codebook(0), "Codebook bits must be 1 to 6"),
         (lambda: Codebook(7), "Codebook bits must be 1 to 6"),
         (lambda: Codebook(3, norm="unit"), "Unknown norm 'unit'"),
@@ -378,6 +419,7 @@ def test_head_dims_a_codec_cannot_store(c, dim, match):
         (Affine(4, 64, "hadamard"), 96, Affine(4, 32, "hadamard")),
         (Affine(8, 128), 192, Affine(8, 64)),
         (Affine(4, 32), 96, Affine(4, 32)),
+        (Affine(4, 64, offset="int"), 96, Affine(4, 32, offset="int")),
         (Affine(4, 64), 80, "plain"),
         (Affine(4, 32), 16, "plain"),
         (Codebook(3), 48, "plain"),

@@ -20,6 +20,10 @@ The items (``K,V``: keys and values apart; one value: both):
 - ``bits=B`` (K,V): 2-8 (affine), 1-6 (codebook); 16 stores that part
   unquantized.
 - ``group=G`` (K,V): affine group size, 32, 64 or 128; default 64.
+- ``offset=float|int`` (K,V): how an affine group stores its offset: a
+  float16 bias beside its float16 scale (mlx's, default), or an integer zero
+  point in one 16-bit word with the scale (bits 2, 4 or 8; ``codecs``):
+  ``group=32 offset=int`` costs what groups of 64 do.
 - ``rotate=kv|k|v|none``: Hadamard rotation before quantizing. Default: kv
   when a part has fewer than 8 bits, else none (codebooks always rotate).
 - ``center=k|kv|none``, ``qscale=qk|q|none``: the transform (``transform``);
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import mlx.core as mx
 
-from .codecs import SCALE_BITS, Affine, Codebook, Plain, for_dim, why_not
+from .codecs import OFFSETS, SCALE_BITS, Affine, Codebook, Plain, for_dim, why_not
 from .spans import check_tokens
 from .store import KVStore
 from .transform import CENTERS, KEY_SCALES
@@ -93,6 +97,7 @@ class KVSpec:
     bits: tuple | None = None
     codec: tuple = ("affine", "affine")
     group: tuple = (64, 64)
+    offset: tuple = ("float", "float")
     rotate: str | None = None  # None: the default for the bits
     center: str | None = None  # None: the default for the bits
     key_scale: str | None = None
@@ -143,6 +148,8 @@ class KVSpec:
         items.append(f"bits={pair(self.bits)}")
         if self.group != (64, 64):
             items.append(f"group={pair(self.group)}")
+        if self.offset != ("float", "float"):
+            items.append(f"offset={pair(self.offset)}")
         if self.rotate is not None:
             items.append(f"rotate={self.rotate}")
         if self.center is not None:
@@ -237,7 +244,7 @@ class KVSpec:
             if self.rotate is None:
                 rotation = "hadamard"
             return Codebook(bits, rotation, debias=debias or False)
-        return Affine(bits, self.group[i], rotation)
+        return Affine(bits, self.group[i], rotation, self.offset[i])
 
     def codecs(self, bits=None):
         """The (key, value) codecs."""
@@ -523,6 +530,10 @@ _PARSERS = {
     ),
     "bits": lambda v: ("bits", _pair(v, "bits")),
     "group": lambda v: ("group", _pair(v, "group")),
+    "offset": lambda v: (
+        "offset",
+        tuple(_choice(p, "offset", OFFSETS) for p in _pair(v, "offset", str)),
+    ),
     "rotate": lambda v: ("rotate", _choice(v, "rotate", tuple(ROTATES))),
     "center": lambda v: ("center", _choices(v, "center", CENTERS)),
     "qscale": lambda v: ("key_scale", _choices(v, "qscale", KEY_SCALES)),

@@ -637,7 +637,8 @@ class KVStore:
             if x is not None:
                 return x.dtype
         if self.key_pages and isinstance(self.key_codec, Affine):
-            return self.key_pages[0][1].dtype
+            if self.key_codec.offset == "float":
+                return self.key_pages[0][1].dtype
         return mx.float32
 
     def _decoded_pages(self, dtype):
