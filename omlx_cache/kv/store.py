@@ -636,9 +636,9 @@ class KVStore:
         ):
             if x is not None:
                 return x.dtype
-        if self.key_pages and isinstance(self.key_codec, Affine):
-            if self.key_codec.offset == "float":
-                return self.key_pages[0][1].dtype
+        codec_ = self.key_codec
+        if self.key_pages and isinstance(codec_, Affine) and codec_.offset == "float":
+            return self.key_pages[0][1].dtype
         return mx.float32
 
     def _decoded_pages(self, dtype):
