@@ -266,7 +266,12 @@ def test_integer_offsets_in_groups_of_32_beat_float_ones_in_groups_of_64():
 
 @pytest.mark.parametrize(
     "c",
-    [Affine(8, 64), Affine(4, 32, "hadamard"), Affine(4, 32, offset="int"), Codebook(3)],
+    [
+        Affine(8, 64),
+        Affine(4, 32, "hadamard"),
+        Affine(4, 32, offset="int"),
+        Codebook(3),
+    ],
 )
 @pytest.mark.parametrize("rows", [1, CPU_DEQUANTIZED_ROWS])
 def test_scores_and_weigh_are_products_with_the_decoded_tile(c, rows):

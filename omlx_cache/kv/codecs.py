@@ -138,9 +138,7 @@ class Affine:
 
     def decode(self, page, dtype) -> mx.array:
         # float32 scales and biases: the dequantized tile exactly
-        x = mx.dequantize(
-            *self.quantized(page, mx.float32), self.group_size, self.bits
-        )
+        x = mx.dequantize(*self.quantized(page, mx.float32), self.group_size, self.bits)
         return x.astype(dtype)
 
     def _tile(self, tile, dtype):
