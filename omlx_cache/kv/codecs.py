@@ -134,7 +134,7 @@ class Affine:
             packed, scales, biases = page
             return packed, scales.astype(dtype), biases.astype(dtype)
         packed, words = page
-        return (packed, *_scales_biases(words, self.bits, dtype))
+        return (packed, *scales_biases(words, self.bits, dtype))
 
     def decode(self, page, dtype) -> mx.array:
         # float32 scales and biases: the dequantized tile exactly
@@ -195,7 +195,7 @@ def _word_scale(half_bits: mx.array) -> mx.array:
     return mx.view(half_bits.astype(mx.uint16), mx.float16).astype(mx.float32)
 
 
-def _scales_biases(words: mx.array, bits: int, dtype):
+def scales_biases(words: mx.array, bits: int, dtype):
     """The scales and biases (``dtype``) of 16-bit offset words."""
     top = (1 << bits) - 1
     words = words.astype(mx.uint32)
