@@ -21,7 +21,7 @@ from omlx_cache.kv.codebook import (
     split_5bit,
     unpack,
 )
-from omlx_cache.kv.codecs import CPU_DEQUANTIZED_ROWS, for_dim
+from omlx_cache.kv.codecs import CPU_DEQUANTIZED_ROWS, for_dim, scales_biases
 from omlx_cache.kv.rotation import givens_rotate, hadamard_matrix, has_hadamard, rotate
 
 # ---------------------------------------------------------------------------
@@ -252,6 +252,18 @@ def test_integer_offsets_decode_as_mlx_scales_and_biases(bits):
     step = mx.repeat(scales.astype(mx.float32), 32, axis=-1)
     assert mx.all((decoded - x).abs() <= step / 2 + 1e-6).item()
     assert mx.all(decoded[0, 0, 0] == 0).item()
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_every_offset_word_decodes_to_its_half_scale_and_zero_point(bits):
+    """``scales_biases`` (compiled arithmetic) against the words' bits viewed
+    as halves, for every word of a finite positive scale."""
+    words = mx.arange(0x7C00, dtype=mx.uint32).astype(mx.uint16)
+    scales, biases = scales_biases(words, bits, mx.float32)
+    top = (1 << bits) - 1
+    half = mx.view(words & (0xFFFF ^ top), mx.float16).astype(mx.float32)
+    assert mx.array_equal(scales, half)
+    assert mx.array_equal(biases, -(words & top).astype(mx.float32) * half)
 
 
 def test_integer_offsets_in_groups_of_32_beat_float_ones_in_groups_of_64():

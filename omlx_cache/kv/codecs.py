@@ -15,6 +15,7 @@ norms included.
 - ``Plain``: unquantized, in the model's dtype.
 """
 
+import functools
 import re
 from dataclasses import dataclass, replace
 
@@ -197,11 +198,26 @@ def _word_scale(half_bits: mx.array) -> mx.array:
 
 def scales_biases(words: mx.array, bits: int, dtype):
     """The scales and biases (``dtype``) of 16-bit offset words."""
+    return _scales_biases(bits, dtype)(words)
+
+
+@functools.cache
+def _scales_biases(bits: int, dtype):
+    """``scales_biases`` compiled into one kernel for any shape: the half
+    scale decoded from its exponent and mantissa bits by arithmetic (a
+    compiled graph cannot view its bits as a half for every shape)."""
     top = (1 << bits) - 1
-    words = words.astype(mx.uint32)
-    scale = _word_scale(words & (0xFFFF ^ top))
-    zero = (words & top).astype(mx.float32)
-    return scale.astype(dtype), (-zero * scale).astype(dtype)
+
+    def decode(words):
+        words = words.astype(mx.uint32)
+        mantissa = (words & (0x3FF ^ top)).astype(mx.float32)
+        exponent = ((words >> 10) & 31).astype(mx.float32)
+        normal = (1024 + mantissa) * mx.power(2.0, exponent - 25)
+        scale = mx.where(exponent > 0, normal, mantissa * 2.0**-24)
+        zero = (words & top).astype(mx.float32)
+        return scale.astype(dtype), (-zero * scale).astype(dtype)
+
+    return mx.compile(decode, shapeless=True)
 
 
 @dataclass(frozen=True)
