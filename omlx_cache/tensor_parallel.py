@@ -385,29 +385,31 @@ TP_LLAMA = Shape(
 
 
 def scheme_quantization(name: str):
-    """``None`` for ``fp16``, else the (key, value) ``(bits, group_size)``
-    pairs of an affine scheme such as ``8,4``, ``4`` or ``bits=4 group=32``."""
+    """``None`` for ``fp16``, else the (key, value) ``Affine`` codecs of an
+    affine scheme such as ``8,4``, ``4`` or ``bits=4 group=32``."""
     spec = KVSpec.parse(name)
     if spec.is_reference:
         return None
     codecs = spec.codecs()
-    if not all(isinstance(c, Affine) and c.offset == "float" for c in codecs):
-        raise ValueError(f"No affine layout with float offsets for scheme {name!r}.")
-    return tuple((c.bits, c.group_size) for c in codecs)
+    if not all(isinstance(c, Affine) for c in codecs):
+        raise ValueError(f"No affine layout for scheme {name!r}.")
+    return codecs
 
 
 def bytes_per_token(name: str, shape: Shape, kv_heads: int) -> int:
     """One layer's bytes per token for ``kv_heads`` heads, keys and values:
     fp16 stores each element in the model's dtype; an affine scheme stores
-    ``bits`` per element packed in uint32 words plus a scale and a bias in the
-    model's dtype per group."""
+    ``bits`` per element packed in uint32 words plus, per group, a scale and
+    a bias in the model's dtype (float offsets) or one 16-bit word (integer
+    offsets)."""
     quantization = scheme_quantization(name)
     if quantization is None:
         return 2 * kv_heads * shape.head_dim * shape.dtype_bytes
     total = 0
-    for bits, group_size in quantization:
-        packed = shape.head_dim * bits // 32 * 4
-        scales = 2 * shape.head_dim // group_size * shape.dtype_bytes
+    for c in quantization:
+        packed = shape.head_dim * c.bits // 32 * 4
+        groups = shape.head_dim // c.group_size
+        scales = groups * (2 * shape.dtype_bytes if c.offset == "float" else 2)
         total += kv_heads * (packed + scales)
     return total
 

@@ -56,7 +56,8 @@ def test_layout_gives_each_ranks_bytes(results, case):
 
 
 def test_layout_equals_built_caches_at_8b():
-    rows = tp.layout_rows(["fp16", "8,4", "4"], [32768, 131072], [1, 2, 4, 8])
+    schemes = ["fp16", "8,4", "4", "bits=4 group=32 offset=int"]
+    rows = tp.layout_rows(schemes, [32768, 131072], [1, 2, 4, 8])
     assert all(r["bytes"] == r["built"] for r in rows)
     by_key = {(r["scheme"], r["context"], r["ranks"]): r["bytes"] for r in rows}
     # fp16 at 128K: 32 layers x 8 heads x 128 x 2 (K, V) x 2 bytes x 131072
