@@ -1153,11 +1153,18 @@ def test_merge_and_extract_round_trip(settings):
         KVStore.merge([stores[0], KVStore(4, 4, page_size=PAGE, **settings)])
 
 
-def test_a_batch_keeps_a_residuals_held_tokens():
+@pytest.mark.parametrize(
+    "q4",
+    [
+        (Affine(4, 64, "hadamard"), Affine(3, 32, "hadamard")),
+        (Affine(4, 32, "hadamard", "int"), Affine(4, 32, "hadamard", "int")),
+    ],
+    ids=["float", "int"],
+)
+def test_a_batch_keeps_a_residuals_held_tokens(q4):
     """Merged, a residual's held tokens stay held (rows one store holds and
     another has in its pages: decoded, as attention reads them); the batch
     attends as its stores alone, and extends and extracts as they are."""
-    q4 = (Affine(4, 64, "hadamard"), Affine(3, 32, "hadamard"))
     settings = {"center": "k", "key_scale": "qk", "first": 8, "recent": 16}
     stores = singles([5, 0, 37, 70], codecs=q4, **settings)
     for s in stores:

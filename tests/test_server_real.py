@@ -270,7 +270,7 @@ def assert_batched_as_alone(url, tokenizer):
         first = tokenizer.decode(tokens, skip_special_tokens=True)
         parted = parting_token(tokenizer, tokens, first, text)
         if parted is not None and parted < SAME_TOKENS:
-            assert margins[parted] < NEAR_TIE, (parted, first, text)
+            assert margins[parted] < NEAR_TIE, (parted, margins[parted], first, text)
         parted = parting_token(tokenizer, tokens, text, "".join(parts))
         if parted is not None and parted < SAME_TOKENS:
             assert margins[parted] < NEAR_TIE, (parted, text, "".join(parts))

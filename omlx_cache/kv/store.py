@@ -1276,14 +1276,20 @@ def _combine(batch, stores):
 
 
 def _held_dtype(stores):
-    """The dtype held tokens are kept in: a store's held ones', else its pages'
-    scales' (the model's, for affine pages)."""
+    """The dtype held tokens are kept in: a store's held ones', else its first
+    tokens', else its pages' last part's where it is a float (the model's
+    for affine pages with float offsets)."""
     for c in stores:
         if c.spans.n_held:
             return c.spans.held_keys.dtype
     for c in stores:
+        if c.spans.first_keys is not None:
+            return c.spans.first_keys.dtype
+    for c in stores:
         if c._written > c.dropped:
-            return c.key_pages[0][-1].dtype
+            dtype = c.key_pages[0][-1].dtype
+            if mx.issubdtype(dtype, mx.floating):
+                return dtype
     return mx.float32
 
 
