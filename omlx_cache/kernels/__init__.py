@@ -28,16 +28,16 @@ def _affine(call) -> bool:
     and the dequantized prefill take them, the fused prefill does not.)"""
     return (
         bool(call.key_pages)
-        and _affine_codecs(call.key_codec, call.value_codec)
+        and _float_offsets(call.key_codec, call.value_codec)
         and (call.first is None or call.first.mask is None)
         and (call.recent is None or call.recent.rotated)
     )
 
 
-def _affine_codecs(*codecs) -> bool:
-    """Whether the codecs are affine (float or integer offsets: the kernels
-    read both, ``affine_decode.scale_bias``)."""
-    return all(isinstance(c, Affine) for c in codecs)
+def _float_offsets(*codecs) -> bool:
+    """Whether the codecs are affine with float offsets, what the kernels
+    read (integer offsets take the MLX-ops loop)."""
+    return all(isinstance(c, Affine) and c.offset == "float" for c in codecs)
 
 
 def _first(call):
@@ -121,7 +121,7 @@ def _decode(call):
 
 
 def _affine_hold(keys, values, key_codec, value_codec):
-    if not _affine_codecs(key_codec, value_codec):
+    if not _float_offsets(key_codec, value_codec):
         return None
     if not affine_decode.takes_held_tokens(
         keys, values, key_codec.bits, value_codec.bits

@@ -92,26 +92,6 @@ template <typename T>
 __device__ __forceinline__ __half2 half_pair(T a, T b) {
   return __floats2half2_rn(static_cast<float>(a), static_cast<float>(b));
 }
-
-// group i's scale and bias: as stored (float offsets), or from its 16-bit
-// word (integer offsets): the half scale whose lowest B mantissa bits hold
-// the zero point z, the bias -scale * z (exact in half)
-template <int B, typename S, typename O>
-__device__ __forceinline__ void
-scale_bias(const S* scales, const S* biases, size_t i, O& scale, O& bias) {
-  scale = scales[i];
-  bias = biases[i];
-}
-
-template <int B, typename O>
-__device__ __forceinline__ void
-scale_bias(const uint16_t* words, const uint16_t*, size_t i, O& scale, O& bias) {
-  constexpr unsigned int zero_bits = (1u << B) - 1u;
-  const unsigned int w = words[i];
-  const __half s = __ushort_as_half(static_cast<unsigned short>(w & ~zero_bits));
-  scale = static_cast<O>(s);
-  bias = static_cast<O>(__float2half(-__half2float(s) * static_cast<float>(w & zero_bits)));
-}
 """
 
 _DECODE_SOURCE = """
@@ -203,11 +183,11 @@ _DECODE_SOURCE = """
     // quad and quad + 8; values 2 pos, 2 pos + 8, 2 pos + 1, 2 pos + 9)
     struct Tile {
         uint32_t k[2][KCW];
-        KS k_scale[2][KCG];
-        KS k_bias[2][KCG];
+        T k_scale[2][KCG];
+        T k_bias[2][KCG];
         uint32_t v[4][VCW];
-        VS v_scale[4];
-        VS v_bias[4];
+        T v_scale[4];
+        T v_bias[4];
     };
     auto fetch = [&](int tile, Tile& t) {
         #pragma unroll
@@ -222,12 +202,8 @@ _DECODE_SOURCE = """
             #pragma unroll
             for (int j = 0; j < KCG; ++j) {
                 const size_t i = (rows + k) * KGROUPS + (pos * KC) / KG + j;
-                if (ok) {
-                    scale_bias<KB>(k_scales, k_biases, i, t.k_scale[r][j], t.k_bias[r][j]);
-                } else {
-                    t.k_scale[r][j] = static_cast<KS>(0.f);
-                    t.k_bias[r][j] = static_cast<KS>(0.f);
-                }
+                t.k_scale[r][j] = ok ? k_scales[i] : static_cast<T>(0.f);
+                t.k_bias[r][j] = ok ? k_biases[i] : static_cast<T>(0.f);
             }
         }
         #pragma unroll
@@ -240,12 +216,8 @@ _DECODE_SOURCE = """
                 zero_words(t.v[r]);
             }
             const size_t i = (rows + k) * (D / VG) + v_group;
-            if (ok) {
-                scale_bias<VB>(v_scales, v_biases, i, t.v_scale[r], t.v_bias[r]);
-            } else {
-                t.v_scale[r] = static_cast<VS>(0.f);
-                t.v_bias[r] = static_cast<VS>(0.f);
-            }
+            t.v_scale[r] = ok ? v_scales[i] : static_cast<T>(0.f);
+            t.v_bias[r] = ok ? v_biases[i] : static_cast<T>(0.f);
         }
     };
     Tile cur;
@@ -524,18 +496,6 @@ _COMBINE_SOURCE = """
 _PAGE_PARTS = ("k_packed", "k_scales", "k_biases", "v_packed", "v_scales", "v_biases")
 
 
-def page_inputs(page):
-    """A page's arrays as the kernels take them: (packed, scales, biases), or
-    for integer offsets (packed, words) with the words twice."""
-    return page if len(page) == 3 else (*page, page[1])
-
-
-def scale_type(page):
-    """The type a kernel keeps a page's scales and biases in: as stored, or
-    half for integer offsets (``scale_bias``)."""
-    return page[1].dtype if len(page) == 3 else mx.float16
-
-
 def _page_pointers(n_pages):
     """Declarations that point each part's name at the block's page: a chain
     of selects, as an array of pointers indexed by the page would be built in
@@ -797,7 +757,7 @@ def quantized_decode_attention(
             break
         sizes.append(page[0].shape[-2])
         stored += sizes[-1]
-    dtype = queries.dtype
+    dtype = key_pages[0][1].dtype
     held_keys, held_values, n_held = held or (_no_held(dtype), _no_held(dtype), 0)
     first_keys, first_values, n_first = first or (None, None, 0)
     if not n_first:
@@ -820,8 +780,7 @@ def quantized_decode_attention(
         ("MB", mask is not None and not isinstance(mask, str) and mask.shape[0] > 1),
         # the scales' and the mask's types are part of the signature, so of the
         # kernel's name
-        ("KS", scale_type(key_pages[0])),
-        ("VS", scale_type(value_pages[0])),
+        ("T", dtype),
         ("H", held_keys.dtype),
     )
     if mask is None or isinstance(mask, str):
@@ -845,7 +804,7 @@ def quantized_decode_attention(
         pages += [pages[-1]] * (n_slots - len(pages))
         inputs = [queries]
         for p in pages:
-            inputs += [*page_inputs(key_pages[p]), *page_inputs(value_pages[p])]
+            inputs += [*key_pages[p], *value_pages[p]]
         inputs += [meta, mask, first_keys, first_values]
         inputs += [held_keys, held_values, _held_count(*counts)]
         kernel = specialized_kernel(

@@ -24,7 +24,6 @@ import struct
 import mlx.core as mx
 from mlx_lm.models.base import MASKED_SCORES, masked_attention_in_blocks
 
-from ..kv.codecs import scales_biases
 from ..kv.spans import with_first_rows
 from . import affine_decode as quantized_decode
 
@@ -164,11 +163,11 @@ _PREFILL_SOURCE = """
     // a tile's quantized words, scales and biases, loaded a tile ahead
     struct Tile {
         uint32_t k[KI][CK];
-        KS k_scale[KI];
-        KS k_bias[KI];
+        T k_scale[KI];
+        T k_bias[KI];
         uint32_t v[VI][2][CV];
-        VS v_scale[VI][2];
-        VS v_bias[VI][2];
+        T v_scale[VI][2];
+        T v_bias[VI][2];
     };
     // keys of page p this block attends (the causal limit applied)
     auto page_keys = [&](int p) {
@@ -187,11 +186,12 @@ _PREFILL_SOURCE = """
             if (ok) {
                 load_words(t.k[j], k_packed + (rows + start + key) * KW + c * CK);
                 const size_t g = (rows + start + key) * (D / KG) + (c * CK * KF) / KG;
-                scale_bias<KB>(k_scales, k_biases, g, t.k_scale[j], t.k_bias[j]);
+                t.k_scale[j] = k_scales[g];
+                t.k_bias[j] = k_biases[g];
             } else {
                 zero_words(t.k[j]);
-                t.k_scale[j] = static_cast<KS>(0.f);
-                t.k_bias[j] = static_cast<KS>(0.f);
+                t.k_scale[j] = static_cast<T>(0.f);
+                t.k_bias[j] = static_cast<T>(0.f);
             }
         }
         #pragma unroll
@@ -206,11 +206,12 @@ _PREFILL_SOURCE = """
                 if (ok) {
                     load_words(t.v[j][h], v_packed + (rows + start + key) * VW + c * CV);
                     const size_t g = (rows + start + key) * (D / VG) + (c * CV * VF) / VG;
-                    scale_bias<VB>(v_scales, v_biases, g, t.v_scale[j][h], t.v_bias[j][h]);
+                    t.v_scale[j][h] = v_scales[g];
+                    t.v_bias[j][h] = v_biases[g];
                 } else {
                     zero_words(t.v[j][h]);
-                    t.v_scale[j][h] = static_cast<VS>(0.f);
-                    t.v_bias[j][h] = static_cast<VS>(0.f);
+                    t.v_scale[j][h] = static_cast<T>(0.f);
+                    t.v_bias[j][h] = static_cast<T>(0.f);
                 }
             }
         }
@@ -523,9 +524,6 @@ def _dequantized_pages(pages, length, heads, group_size, bits, dtype):
     for page in pages[: _stored_pages(pages, length)]:
         n = min(page[0].shape[-2], length - start)
         rows = tuple(x[:, heads, :n, :] for x in page)
-        if len(rows) == 2:
-            # integer offsets: (packed, words)
-            rows = (rows[0], *scales_biases(rows[1], bits, mx.float32))
         parts.append(
             mx.dequantize(*rows, group_size=group_size, bits=bits, dtype=dtype)
         )
@@ -687,10 +685,7 @@ def quantized_prefill_attention(
     meta = mx.array(n_keys + sizes + offsets + [length, L, scale_bits], mx.int32)
     inputs = [queries]
     for p in list(range(n_pages)) + [n_pages - 1] * pad:
-        inputs += [
-            *quantized_decode.page_inputs(key_pages[p]),
-            *quantized_decode.page_inputs(value_pages[p]),
-        ]
+        inputs += [*key_pages[p], *value_pages[p]]
     tile = _tile_keys(D)
     rows = WARPS * 16
     n_blocks = (G * L + rows - 1) // rows
@@ -710,8 +705,7 @@ def quantized_prefill_attention(
             ("CAUSAL", mask == "causal"),
             # the scales' and the queries' types are part of the signature,
             # so of the kernel's name
-            ("KS", quantized_decode.scale_type(key_pages[0])),
-            ("VS", quantized_decode.scale_type(value_pages[0])),
+            ("T", key_pages[0][1].dtype),
             ("O", queries.dtype),
         ],
         grid=(n_blocks * WARPS * 32, B * n_kv_heads, 1),

@@ -35,7 +35,7 @@ from omlx_cache.kv import Affine, KVStore
 PAGE = 4096
 
 # D, n_q_heads, n_kv_heads, key bits, key group, value bits, value group, T, B,
-# dtype, first tokens kept, decode tokens held[, offsets: "float" (default), "int"]
+# dtype, first tokens kept, decode tokens held
 CASES = [
     (128, 32, 8, 8, 64, 4, 64, 1, 1, mx.float16, 0, 0),
     (128, 32, 8, 8, 64, 4, 64, 300, 2, mx.float16, 0, 0),
@@ -54,11 +54,6 @@ CASES = [
     (256, 8, 4, 4, 128, 8, 128, 4097, 1, mx.float16, 0, 0),
     # 34 pages: two launches and the combine kernel
     (64, 4, 1, 4, 64, 4, 64, 33 * 4096 + 5, 1, mx.float16, 0, 0),
-    # integer offsets (the scale's word)
-    (128, 32, 8, 4, 32, 4, 32, 9000, 1, mx.float16, 32, 5, "int"),
-    (128, 32, 8, 4, 32, 4, 32, 4097, 2, mx.bfloat16, 0, 0, "int"),
-    (64, 9, 3, 8, 32, 4, 32, 300, 1, mx.float16, 4, 2, "int"),
-    (128, 32, 8, 2, 32, 8, 64, 5000, 1, mx.float16, 0, 3, "int"),
 ]
 # attention sinks (GPT-OSS: D 64, 64 q / 8 kv heads): D, n_q_heads, n_kv_heads,
 # T, B, first tokens kept, decode tokens held, centered keys
@@ -71,7 +66,6 @@ DRY_SINK_CASES = [(64, 4, 2, 100, 2, 4, 3, True)]
 DRY_CASES = [
     (64, 4, 2, 8, 64, 4, 64, 100, 1, mx.float16, 0, 0),
     (64, 6, 2, 4, 32, 8, 64, 70, 2, mx.float16, 4, 3),
-    (64, 6, 2, 4, 32, 4, 32, 70, 2, mx.float16, 4, 3, "int"),
 ]
 
 
@@ -102,10 +96,8 @@ def sinks_correctness(report, cases, page):
 
 def correctness(report, cases, page):
     mx.random.seed(0)
-    for D, n_q, n_kv, kb, kg, vb, vg, T, B, dtype, first, held, *offset in cases:
-        offset = offset[0] if offset else "float"
-        codecs = Affine(kb, kg, offset=offset), Affine(vb, vg, offset=offset)
-        store = KVStore(*codecs, first=first, page_size=page)
+    for D, n_q, n_kv, kb, kg, vb, vg, T, B, dtype, first, held in cases:
+        store = KVStore(Affine(kb, kg), Affine(vb, vg), first=first, page_size=page)
         keys = mx.random.normal((B, n_kv, T, D)) + 2 * mx.random.normal((1, n_kv, 1, D))
         values = mx.random.normal((B, n_kv, T, D))
         fill(store, keys.astype(dtype), values.astype(dtype), decode=held)
@@ -117,7 +109,6 @@ def correctness(report, cases, page):
             "n_kv_heads": n_kv,
             "bits": [kb, vb],
             "group_size": [kg, vg],
-            "offset": offset,
             "tokens": T,
             "batch": B,
             "dtype": str(dtype),
@@ -133,11 +124,6 @@ def correctness(report, cases, page):
     print(f"worst relative error against float32: {report['worst_rel_err']:.2e}")
 
 
-# key bits, value bits, group size, offsets
-SPEED_CODECS = [(8, 4, 64, "float"), (4, 4, 64, "float"), (8, 8, 64, "float")]
-SPEED_CODECS += [(4, 4, 32, "int")]
-
-
 def speed(report, contexts, page, bandwidth):
     B, n_q, n_kv, D = 1, 32, 8, 128
     for T in contexts:
@@ -149,11 +135,9 @@ def speed(report, contexts, page, bandwidth):
         row["fp16_sdpa_ms"] = ms_per_call(
             partial(mx.fast.scaled_dot_product_attention, q, k, v, scale=D**-0.5)
         )
-        for kb, vb, group, offset in SPEED_CODECS:
-            codecs = Affine(kb, group, offset=offset), Affine(vb, group, offset=offset)
-            store = fill(KVStore(*codecs, page_size=page), k, v)
-            name = f"{kb},{vb}" + ("" if offset == "float" else f"_g{group}_int")
-            row[f"kernel_{name}_ms"] = ms_per_call(
+        for kb, vb in ((8, 4), (4, 4), (8, 8)):
+            store = fill(KVStore(Affine(kb), Affine(vb), page_size=page), k, v)
+            row[f"kernel_{kb},{vb}_ms"] = ms_per_call(
                 partial(
                     store.scaled_dot_product_attention, q, None, None, D**-0.5, None
                 )
@@ -161,7 +145,7 @@ def speed(report, contexts, page, bandwidth):
             kv_bytes = sum(
                 x.nbytes for p in store.key_pages + store.value_pages for x in p
             )
-            row[f"floor_{name}_ms"] = round(kv_bytes / bandwidth * 1e3, 4)
+            row[f"floor_{kb},{vb}_ms"] = round(kv_bytes / bandwidth * 1e3, 4)
         report.add("speed", row)
 
 

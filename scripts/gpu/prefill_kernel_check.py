@@ -42,9 +42,8 @@ from omlx_cache.kv import Affine, KVStore
 
 DTYPES = {"f16": mx.float16, "bf16": mx.bfloat16, "f32": mx.float32}
 
-# D, n_q_heads, n_kv_heads, (key bits, group[, "int" offsets]), (value bits,
-# group[, "int"]), keys, queries (the last positions), batch, dtype, page
-# size, first tokens kept
+# D, n_q_heads, n_kv_heads, (key bits, group), (value bits, group), keys,
+# queries (the last positions), batch, dtype, page size, first tokens kept
 CASES = [
     (128, 32, 8, (8, 64), (4, 64), 2048, 2048, 1, "f16", 4096, 0),
     (128, 32, 8, (8, 64), (4, 64), 9000, 2048, 1, "f16", 4096, 0),
@@ -60,20 +59,11 @@ CASES = [
     (64, 4, 1, (4, 64), (4, 64), 20 * 256 - 5, 200, 1, "f16", 256, 0),
     (256, 16, 2, (8, 64), (4, 64), 2000, 500, 1, "bf16", 4096, 0),
     (256, 8, 4, (4, 128), (8, 128), 4097, 64, 1, "f16", 4096, 0),
-    (128, 32, 8, (4, 32, "int"), (4, 32, "int"), 9000, 2048, 1, "f16", 4096, 32),
-    (128, 32, 8, (4, 32, "int"), (4, 32, "int"), 5000, 300, 1, "bf16", 4096, 16),
-    (64, 9, 3, (8, 32, "int"), (2, 32, "int"), 4097, 129, 2, "f16", 4096, 16),
 ]
 DRY_CASES = [
     (64, 4, 2, (8, 64), (4, 64), 150, 40, 1, "f16", 64, 0),
     (64, 6, 2, (4, 32), (8, 64), 90, 20, 2, "f32", 32, 8),
-    (64, 6, 2, (4, 32, "int"), (4, 32, "int"), 90, 20, 2, "f16", 32, 8),
 ]
-
-
-def affine(bits_group):
-    """The codec of a case's (bits, group[, offsets])."""
-    return Affine(*bits_group[:2], offset=(*bits_group[2:], "float")[0])
 
 
 @contextlib.contextmanager
@@ -91,13 +81,13 @@ def decoded_bytes(n):
 def prefilled(case, seed=0):
     """A store holding the case's keys but the last L, and those L keys and
     their queries: (store, keys, values, queries)."""
-    D, n_q, n_kv, kbits, vbits, T, L, B, dtype, page, first = case
+    D, n_q, n_kv, (kb, kg), (vb, vg), T, L, B, dtype, page, first = case
     dtype = DTYPES[dtype]
     keys = mx.random.normal((B, n_kv, T, D), key=mx.random.key(seed))
     keys = keys + 2 * mx.random.normal((1, n_kv, 1, D), key=mx.random.key(seed + 1))
     values = mx.random.normal((B, n_kv, T, D), key=mx.random.key(seed + 2))
     queries = mx.random.normal((B, n_q, L, D), key=mx.random.key(seed + 3))
-    store = KVStore(affine(kbits), affine(vbits), first=first, page_size=page)
+    store = KVStore(Affine(kb, kg), Affine(vb, vg), first=first, page_size=page)
     keys, values = keys.astype(dtype), values.astype(dtype)
     fill(store, keys[:, :, : T - L], values[:, :, : T - L])
     return store, keys[:, :, T - L :], values[:, :, T - L :], queries.astype(dtype)
@@ -110,7 +100,6 @@ def case_row(case):
         "heads": [n_q, n_kv],
         "bits": [kbits[0], vbits[0]],
         "group_size": [kbits[1], vbits[1]],
-        "offset": [affine(kbits).offset, affine(vbits).offset],
         "keys": T,
         "queries": L,
         "batch": B,
