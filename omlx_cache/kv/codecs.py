@@ -181,7 +181,7 @@ def _encode_int(x: mx.array, bits: int, group_size: int):
     half = mx.view(scale.astype(mx.float16), mx.uint16).astype(mx.uint32)
     # rounded up: the positive float16s' bits order as their values
     kept = mx.minimum((half + top) & (0xFFFF ^ top), 0x7BFF & (0xFFFF ^ top))
-    scale = _word_scale(kept)
+    scale = scales_biases(kept, bits, mx.float32)[0]
     zero = mx.clip(mx.round(-low / scale), 0, top)
     codes = mx.clip(mx.round(groups / scale) + zero, 0, top).astype(mx.uint32)
     codes = codes.reshape(*x.shape[:-1], -1, 32 // bits)
@@ -189,11 +189,6 @@ def _encode_int(x: mx.array, bits: int, group_size: int):
     packed = (codes << shifts).sum(axis=-1).astype(mx.uint32)
     words = kept | zero.astype(mx.uint32)
     return packed, words.squeeze(-1).astype(mx.uint16)
-
-
-def _word_scale(half_bits: mx.array) -> mx.array:
-    """Float32 scales of float16 bit patterns (uint32)."""
-    return mx.view(half_bits.astype(mx.uint16), mx.float16).astype(mx.float32)
 
 
 def scales_biases(words: mx.array, bits: int, dtype):

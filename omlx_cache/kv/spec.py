@@ -523,17 +523,16 @@ def _choices(value, name, choices):
     return "" if value == "none" else _choice(value, name, (*choices, "none"))
 
 
+def _choice_pair(value, name, choices) -> tuple:
+    """(keys, values) of ``name=K,V`` (or one for both), each one of ``choices``."""
+    return tuple(_choice(p, name, choices) for p in _pair(value, name, str))
+
+
 _PARSERS = {
-    "codec": lambda v: (
-        "codec",
-        tuple(_choice(p, "codec", CODECS) for p in _pair(v, "codec", str)),
-    ),
+    "codec": lambda v: ("codec", _choice_pair(v, "codec", CODECS)),
     "bits": lambda v: ("bits", _pair(v, "bits")),
     "group": lambda v: ("group", _pair(v, "group")),
-    "offset": lambda v: (
-        "offset",
-        tuple(_choice(p, "offset", OFFSETS) for p in _pair(v, "offset", str)),
-    ),
+    "offset": lambda v: ("offset", _choice_pair(v, "offset", OFFSETS)),
     "rotate": lambda v: ("rotate", _choice(v, "rotate", tuple(ROTATES))),
     "center": lambda v: ("center", _choices(v, "center", CENTERS)),
     "qscale": lambda v: ("key_scale", _choices(v, "qscale", KEY_SCALES)),
